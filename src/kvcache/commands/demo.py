@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", type=int, default=6, help="shared prompt tokens (default 6)")
     parser.add_argument("--steps", type=int, default=3, help="decode steps per sequence")
 
 
-def _rope_shift(layer: int, keys, offsets):  # type: ignore[no-untyped-def]
-    import torch
-
+def _rope_shift(layer: int, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     d = keys.shape[-1] // 2
     inv = 10000.0 ** (-torch.arange(d, dtype=torch.float64) / d)
     ang = offsets.to(torch.float64)[:, None] * inv[None, :]  # [n, d]
@@ -26,8 +26,6 @@ def _rope_shift(layer: int, keys, offsets):  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from kvcache import Batch, CausalCache
 
     layers, heads, dim = 4, 2, 8
