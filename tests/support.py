@@ -20,3 +20,8 @@ def kv(keys: list[float], heads: int = 1, dim: int = 2) -> tuple[torch.Tensor, t
 def add_shift(layer: int, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Ollama's test shift: key + offset (shows which keys moved and by how much)."""
     return keys + offsets.to(keys.dtype)[:, None, None]
+
+
+def stored_keys(cache, layer: int) -> torch.Tensor:
+    """Every cell's stored key of a layer, decoded: [N, H, D]."""
+    return cache.storage.layers[layer].keys.read(0, cache.num_cells, cache.dtype)

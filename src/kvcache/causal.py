@@ -10,8 +10,11 @@ attend to::
     history        [--------------------------)          lo=1, hi=7 (covers the batch's seqs)
     mask row (a, pos 3):  a1 . a2 -- . . ->  x . x . . .   (row attends to a1, a2 and itself)
 
-Storage is preallocated per layer ([N, kv_heads, head_dim], token-major); ``get`` returns
-views of cells [lo, hi), never a concatenation, so a decode step writes only the new rows.
+Storage is preallocated per layer ([N, kv_heads, head_dim], token-major) in a codec's format
+(float, int8, int4, ...; K and V may differ); ``get`` returns views of cells [lo, hi) for a
+float codec in the compute ``dtype`` (decoded copies of just that range otherwise), never a
+concatenation, so a decode step writes only the new rows. Keys are stored after RoPE; a
+middle ``remove`` decodes the moved keys, re-rotates them and encodes them again.
 Bookkeeping (``cells.py``) and the attention policy (``policy.py``) hold no tensors.
 
 Every mutating call validates before it mutates: a call that raises leaves the cache as it
@@ -29,6 +32,7 @@ import torch
 
 from kvcache.batch import Batch
 from kvcache.cells import Cells
+from kvcache.codecs import Codec, FloatCodec, make_codec
 from kvcache.errors import (
     CacheFullError,
     CallOrderError,
@@ -81,6 +85,9 @@ class CausalCache:
         padding: int = 1,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        codec: str | Codec | None = None,
+        key_codec: str | Codec | None = None,
+        value_codec: str | Codec | None = None,
     ) -> None:
         self.capacity = config_int("capacity", capacity, 1)
         self.max_sequences = config_int("max_sequences", max_sequences, 1)
@@ -103,7 +110,10 @@ class CausalCache:
             n = self.max_sequences * self.memory + self.max_batch
         self.num_cells = -(-n // self.padding) * self.padding
         self.cells = Cells(self.num_cells)
-        self.storage = Storage(self.num_cells, dtype, self.device)
+        native = FloatCodec(dtype)
+        self.key_codec = make_codec(key_codec or codec or native, "key_codec")
+        self.value_codec = make_codec(value_codec or codec or native, "value_codec")
+        self.storage = Storage(self.num_cells, dtype, self.device, self.key_codec, self.value_codec)
         self._fwd: _Forward | None = None
         self._closed = False
 
@@ -342,8 +352,9 @@ class CausalCache:
         new_keys = self._shifted_keys(seq, moved, begin - (end or begin))
         self.cells.release(seq, gone)
         self.cells.move(seq, moved, begin - (end or begin))
+        moved_t = torch.from_numpy(moved).to(self.device)
         for layer, keys in new_keys.items():
-            self.storage.layers[layer].keys[moved] = keys
+            self.storage.layers[layer].keys.write(moved_t, keys)
         if len(self.cells.cells_of(seq)) == 0:
             self.cells.forget(seq)
         self._fwd = None
@@ -369,7 +380,8 @@ class CausalCache:
             for i in range(0, len(moved), self.max_batch):
                 idx = torch.from_numpy(moved[i : i + self.max_batch]).to(self.device)
                 offsets = torch.full((len(idx),), offset, dtype=torch.int64, device=self.device)
-                parts.append(self.shift(layer, st.keys[idx], offsets).to(self.dtype))
+                keys = st.keys.gather(idx, self.dtype)  # [n, H, D], decoded
+                parts.append(self.shift(layer, keys, offsets).to(self.dtype))
             out[layer] = torch.cat(parts)
         return out
 

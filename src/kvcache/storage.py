@@ -1,84 +1,87 @@
-"""Per-layer K/V tensors of a cell cache, preallocated and written in place.
+"""Per-layer K/V buffers of a cell cache, preallocated and written in place.
 
 Layout (token-major, one row per cell, shared cell index across layers)::
 
-    keys[layer]   : [N, kv_heads, head_dim_k]
-    values[layer] : [N, kv_heads, head_dim_v]
+    keys[layer]   : [N, kv_heads, head_dim_k]   in the key codec's format
+    values[layer] : [N, kv_heads, head_dim_v]   in the value codec's format
 
-A layer's tensors are allocated on its first write (K and V head dims may differ), zero
-filled, and never reallocated. Reads hand back views of a cell range, never copies.
+A layer's buffers are allocated on its first write (K and V head dims may differ), zero
+filled, and never reallocated. Reads hand back a cell range only: a view for a float codec
+in the compute dtype, a decoded copy of that range (never of the whole cache) otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvcache.codecs import Codec
+from kvcache.codecs.base import Locs
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
 
 
 class LayerStorage:
-    """K and V tensors of one layer."""
+    """K and V buffers of one layer, each in its codec's format."""
 
     def __init__(
         self,
         n: int,
         key: torch.Tensor,
         value: torch.Tensor,
-        dtype: torch.dtype,
+        codecs: tuple[Codec, Codec],
         device: torch.device,
     ) -> None:
-        self.keys = torch.zeros((n, *key.shape[1:]), dtype=dtype, device=device)  # [N, H, Dk]
-        self.values = torch.zeros((n, *value.shape[1:]), dtype=dtype, device=device)  # [N, H, Dv]
+        self.key_shape = (int(key.shape[1]), int(key.shape[2]))  # (H, Dk)
+        self.value_shape = (int(value.shape[1]), int(value.shape[2]))  # (H, Dv)
+        self.keys = codecs[0].allocate(n, *self.key_shape, device)  # [N, H, Dk]
+        self.values = codecs[1].allocate(n, *self.value_shape, device)  # [N, H, Dv]
 
     def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Raise if a put's per-token shapes differ from what this layer holds."""
-        if key.shape[1:] != self.keys.shape[1:]:
+        if tuple(key.shape[1:]) != self.key_shape:
             raise DimensionMismatchError(
-                tuple(self.keys.shape[1:]), tuple(key.shape[1:]), "key [kv_heads, head_dim]"
+                self.key_shape, tuple(key.shape[1:]), "key [kv_heads, head_dim]"
             )
-        if value.shape[1:] != self.values.shape[1:]:
+        if tuple(value.shape[1:]) != self.value_shape:
             raise DimensionMismatchError(
-                tuple(self.values.shape[1:]), tuple(value.shape[1:]), "value [kv_heads, head_dim]"
+                self.value_shape, tuple(value.shape[1:]), "value [kv_heads, head_dim]"
             )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return self.keys.nbytes() + self.values.nbytes()
 
 
 class Storage:
-    """The K/V tensors of every layer of one cell cache."""
+    """The K/V buffers of every layer of one cell cache, read back as ``dtype``."""
 
-    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, n: int, dtype: torch.dtype, device: torch.device, key_codec: Codec, value_codec: Codec
+    ) -> None:
         self.n = n
         self.dtype = dtype
         self.device = device
+        self.codecs = (key_codec, value_codec)
         self.layers: dict[int, LayerStorage] = {}
 
     def layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> LayerStorage:
         """The layer's storage, allocated on first use from the put's shapes."""
         st = self.layers.get(layer)
         if st is None:
-            st = LayerStorage(self.n, key, value, self.dtype, self.device)
+            st = LayerStorage(self.n, key, value, self.codecs, self.device)
             self.layers[layer] = st
         st.check(key, value)
         return st
 
-    def write(
-        self, layer: int, locs: torch.Tensor | slice, key: torch.Tensor, value: torch.Tensor
-    ) -> None:
-        """Write token rows into cells ``locs`` (a slice when the cells are contiguous)."""
+    def write(self, layer: int, locs: Locs, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Encode token rows into cells ``locs`` (a slice when the cells are contiguous)."""
         st = self.layer(layer, key, value)
-        if isinstance(locs, slice):
-            st.keys[locs] = key
-            st.values[locs] = value
-        else:
-            st.keys.index_copy_(0, locs, key.to(self.dtype))
-            st.values.index_copy_(0, locs, value.to(self.dtype))
+        st.keys.write(locs, key)
+        st.values.write(locs, value)
 
     def view(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of cells [lo, hi) of a layer: keys [L, H, Dk], values [L, H, Dv]."""
+        """Cells [lo, hi) of a layer as ``dtype``: keys [L, H, Dk], values [L, H, Dv]
+        (views for a float codec of that dtype, else decoded copies of just that range)."""
         st = self.layers[layer]
-        return st.keys[lo:hi], st.values[lo:hi]
+        return st.keys.read(lo, hi, self.dtype), st.values.read(lo, hi, self.dtype)
 
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.layers.values())

@@ -1,0 +1,113 @@
+"""Integer codecs: int8 with a per-(token, head) scale, int4 in asymmetric groups.
+
+int8 layout: codes int8 [N, H, D], scale fp16 [N, H, 1]; x ~= codes * scale, symmetric
+(absmax / 127).
+int4 layout: codes packed two per byte uint8 [N, H, D/2] (low nibble = even index), and per
+group of ``group`` channels an fp16 scale and minimum [N, H, D/group]; x ~= q * scale + min
+with q in 0..15 (asymmetric). With group 32 that is 4 + 32/32 = 5 bits per value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.codecs.base import Buffer, Codec, Locs, tensor_bytes
+from kvcache.errors import DimensionMismatchError, InvalidConfigError
+
+META = torch.float16  # scales and minimums: counted in nbytes like the codes
+
+
+def _put(t: torch.Tensor, locs: Locs, x: torch.Tensor) -> None:
+    if isinstance(locs, slice):
+        t[locs] = x
+    else:
+        t.index_copy_(0, locs, x)
+
+
+class Int8Buffer(Buffer):
+    def __init__(self, n: int, heads: int, dim: int, device: torch.device) -> None:
+        self.codes = torch.zeros((n, heads, dim), dtype=torch.int8, device=device)  # [N, H, D]
+        self.scale = torch.zeros((n, heads, 1), dtype=META, device=device)  # [N, H, 1]
+
+    def write(self, locs: Locs, x: torch.Tensor) -> None:
+        x = x.float()
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).to(META)  # [T, H, 1]
+        safe = scale.float().clamp_min(torch.finfo(META).tiny)
+        _put(self.codes, locs, torch.round(x / safe).clamp_(-127, 127).to(torch.int8))
+        _put(self.scale, locs, scale)
+
+    def _decode(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return codes.to(dtype) * scale.to(dtype)
+
+    def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._decode(self.codes[lo:hi], self.scale[lo:hi], dtype)
+
+    def gather(self, cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._decode(self.codes[cells], self.scale[cells], dtype)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.codes, self.scale)
+
+
+class Int8Codec(Codec):
+    """8-bit symmetric codes with one fp16 scale per token and head."""
+
+    name = "int8"
+
+    def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
+        return Int8Buffer(n, heads, dim, device)
+
+
+class Int4Buffer(Buffer):
+    def __init__(self, n: int, heads: int, dim: int, group: int, device: torch.device) -> None:
+        if dim % group or dim % 2:
+            raise DimensionMismatchError(f"a multiple of {group} (and of 2)", dim, "int4 head_dim")
+        self.group = group
+        self.dim = dim
+        g = dim // group
+        self.codes = torch.zeros((n, heads, dim // 2), dtype=torch.uint8, device=device)
+        self.scale = torch.zeros((n, heads, g), dtype=META, device=device)  # [N, H, D/G]
+        self.low = torch.zeros((n, heads, g), dtype=META, device=device)  # [N, H, D/G]
+
+    def write(self, locs: Locs, x: torch.Tensor) -> None:
+        t, h, _ = x.shape
+        xg = x.float().reshape(t, h, -1, self.group)  # [T, H, D/G, G]
+        low = xg.amin(dim=-1).to(META)
+        scale = ((xg.amax(dim=-1) - low.float()) / 15.0).to(META)
+        safe = scale.float().clamp_min(torch.finfo(META).tiny)
+        q = torch.round((xg - low.float()[..., None]) / safe[..., None]).clamp_(0, 15)
+        q = q.to(torch.uint8).reshape(t, h, self.dim // 2, 2)
+        _put(self.codes, locs, q[..., 0] | (q[..., 1] << 4))
+        _put(self.scale, locs, scale)
+        _put(self.low, locs, low)
+
+    def _decode(
+        self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        n, h, _ = codes.shape
+        q = torch.stack((codes & 15, codes >> 4), dim=-1).to(dtype)  # [L, H, D/2, 2]
+        q = q.reshape(n, h, -1, self.group)  # [L, H, D/G, G]
+        x = torch.addcmul(low.to(dtype)[..., None], q, scale.to(dtype)[..., None])
+        return x.reshape(n, h, self.dim)
+
+    def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._decode(self.codes[lo:hi], self.scale[lo:hi], self.low[lo:hi], dtype)
+
+    def gather(self, cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._decode(self.codes[cells], self.scale[cells], self.low[cells], dtype)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.codes, self.scale, self.low)
+
+
+class Int4Codec(Codec):
+    """4-bit asymmetric codes, an fp16 scale and minimum per group of channels."""
+
+    def __init__(self, group: int = 32) -> None:
+        if group < 2 or group % 2:
+            raise InvalidConfigError("group", group, "an even int >= 2")
+        self.group = group
+        self.name = "int4" if group == 32 else f"int4g{group}"
+
+    def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
+        return Int4Buffer(n, heads, dim, self.group, device)

@@ -1,0 +1,151 @@
+"""Codecs of the cell cache: round-trip error bounds, honest byte counts, and the same mask
+semantics as the float cache through remove / copy_prefix / window eviction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import Batch, CausalCache
+from kvcache.codecs import CODECS, make_codec
+from kvcache.errors import InvalidConfigError
+from support import render
+
+H, D = 3, 64
+
+
+def outlier_rows(n: int, seed: int = 0) -> torch.Tensor:
+    """Rows like real keys: a few channels much larger than the rest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, D, generator=g)
+    x[..., 5] *= 12.0
+    x[..., 40] += 6.0
+    return x
+
+
+def roundtrip(name: str, x: torch.Tensor) -> torch.Tensor:
+    buf = make_codec(name).allocate(len(x), H, D, torch.device("cpu"))
+    buf.write(slice(0, len(x)), x)
+    return buf.read(0, len(x), torch.float32)
+
+
+def test_float_codecs_round_trip():
+    x = outlier_rows(64)
+    assert torch.equal(roundtrip("fp32", x), x)
+    assert torch.allclose(roundtrip("fp16", x), x, rtol=1e-3, atol=1e-4)
+    assert torch.allclose(roundtrip("bf16", x), x, rtol=1e-2, atol=1e-3)
+
+
+def test_int8_error_is_within_half_a_step():
+    x = outlier_rows(256)
+    err = (roundtrip("int8", x) - x).abs()  # [T, H, D]
+    step = x.abs().amax(-1, keepdim=True) / 127  # [T, H, 1]
+    assert (err <= step * 0.5 * 1.01 + 1e-6).all()
+    assert err.max() > 0  # it really quantizes
+
+
+@pytest.mark.parametrize("name, group", [("int4", 32), ("int4g64", 64)])
+def test_int4_error_is_within_half_a_step_per_group(name, group):
+    x = outlier_rows(256)
+    err = (roundtrip(name, x) - x).abs().reshape(256, H, -1, group)
+    xg = x.reshape(256, H, -1, group)
+    step = (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / 15
+    assert (err <= step * 0.5 * 1.01 + 1e-3).all()
+    assert err.mean() > 1e-3  # it really quantizes
+
+
+@pytest.mark.parametrize(
+    "name, row_bytes",
+    [
+        ("fp32", H * D * 4),
+        ("fp16", H * D * 2),
+        ("bf16", H * D * 2),
+        ("int8", H * D + H * 2),  # codes + fp16 scale per head
+        ("int4", H * D // 2 + H * (D // 32) * 2 * 2),  # nibbles + fp16 scale, min per group
+        ("int4g64", H * D // 2 + H * 2 * 2),
+    ],
+)
+def test_bytes_count_every_buffer(name, row_bytes):
+    codec = make_codec(name)
+    buf = codec.allocate(100, H, D, torch.device("cpu"))
+    tensors = [v for v in vars(buf).values() if isinstance(v, torch.Tensor)]
+    assert buf.nbytes() == sum(t.numel() * t.element_size() for t in tensors)
+    assert buf.nbytes() == 100 * row_bytes == 100 * codec.bytes_per_row(H, D)
+
+
+def test_unknown_codec_is_a_typed_error():
+    with pytest.raises(InvalidConfigError, match="one of"):
+        CausalCache(8, codec="int3")
+    with pytest.raises(InvalidConfigError, match="key_codec"):
+        CausalCache(8, key_codec="nope")
+    assert set(CODECS) >= {"fp32", "fp16", "bf16", "int8", "int4"}
+
+
+def test_key_and_value_codecs_may_differ():
+    cache = CausalCache(16, key_codec="int8", value_codec="fp16")
+    cache.start_forward(Batch.single(0, 0, 4))
+    x = outlier_rows(4)
+    keys, values, _ = cache.update(0, x, x)
+    assert keys.dtype == values.dtype == torch.float32
+    assert cache.memory_usage_bytes() == 16 * ((H * D + H * 2) + H * D * 2)
+    assert not torch.equal(keys, values[: len(keys)])
+
+
+def scenario(cache: CausalCache) -> list[tuple[list[str], torch.Tensor]]:
+    """A mixed workload: two sequences, sharing, eviction-free removal with shifting."""
+    out = []
+
+    def fwd(positions, seqs):
+        cache.start_forward(Batch(positions, seqs))
+        g = torch.Generator().manual_seed(sum(positions) + 7 * len(seqs))
+        x = torch.randn(len(positions), H, D, generator=g)
+        k, _, mask = cache.update(0, x, x)
+        out.append((render(mask), k.clone()))
+
+    fwd(list(range(6)), [0] * 6)
+    cache.copy_prefix(0, 1, 4)
+    fwd([6, 4, 5], [0, 1, 1])
+    cache.remove(1, 0)
+    cache.remove(0, 2, 4)  # moves positions 4..6 of seq 0 down by 2 (re-rotated keys)
+    fwd([5, 6], [0, 0])
+    return out
+
+
+def rope_like(layer: int, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    ang = offsets.to(keys.dtype)[:, None, None] * 0.1
+    half = keys.shape[-1] // 2
+    x1, x2 = keys[..., :half], keys[..., half:]
+    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1)
+
+
+@pytest.mark.parametrize(
+    "name, tol", [("fp16", 1e-2), ("bf16", 5e-2), ("int8", 0.05), ("int4", 0.6)]
+)
+def test_compressed_cache_keeps_float_semantics(name, tol):
+    ref = scenario(CausalCache(32, max_sequences=2, shift=rope_like))
+    got = scenario(CausalCache(32, max_sequences=2, shift=rope_like, codec=name))
+    for (mask_r, k_r), (mask_g, k_g) in zip(ref, got, strict=True):
+        assert mask_r == mask_g
+        visible = [r != "x" for r in mask_r[-1].split()]
+        assert (k_r[visible] - k_g[visible]).abs().max() < tol
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_window_eviction_with_codec_matches_float(name):
+    def run(codec):
+        cache = CausalCache(64, window=3, max_batch=4, codec=codec)
+        masks = []
+        for start in range(0, 20, 2):
+            cache.start_forward(Batch.single(0, start, 2))
+            _, _, mask = cache.update(0, torch.randn(2, H, D), torch.randn(2, H, D))
+            masks.append(render(mask))
+        return masks, cache.positions(0)
+
+    assert run(None) == run(name)
+
+
+def test_read_decodes_only_the_history_range():
+    cache = CausalCache(1000, codec="int8")
+    cache.start_forward(Batch.single(0, 0, 5))
+    keys, values, mask = cache.update(0, outlier_rows(5), outlier_rows(5))
+    assert keys.shape == (5, H, D) and mask.shape == (5, 5)
