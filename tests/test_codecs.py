@@ -23,8 +23,8 @@ def outlier_rows(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def roundtrip(name: str, x: torch.Tensor) -> torch.Tensor:
-    buf = make_codec(name).allocate(len(x), H, D, torch.device("cpu"))
+def roundtrip(name: str, x: torch.Tensor, role: str = "key") -> torch.Tensor:
+    buf = make_codec(name, role).allocate(len(x), H, D, torch.device("cpu"))
     buf.write(slice(0, len(x)), x)
     return buf.read(0, len(x), torch.float32)
 
@@ -130,7 +130,7 @@ def test_compressed_cache_keeps_float_semantics(name, tol):
         assert (k_r[visible] - k_g[visible]).abs().max() < tol
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "kivi4", "kivi2"])
 def test_window_eviction_with_codec_matches_float(name):
     def run(codec):
         cache = CausalCache(64, window=3, max_batch=4, codec=codec)
@@ -149,3 +149,61 @@ def test_read_decodes_only_the_history_range():
     cache.start_forward(Batch.single(0, 0, 5))
     keys, values, mask = cache.update(0, outlier_rows(5), outlier_rows(5))
     assert keys.shape == (5, H, D) and mask.shape == (5, 5)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kivi_keys_per_channel_newest_rows_in_fp16(bits):
+    x = outlier_rows(320)  # 5 blocks of 64; the newest 2 stay open (residual 128)
+    got = roundtrip(f"kivi{bits}", x, "key")
+    assert torch.allclose(got[192:], x[192:], rtol=1e-3, atol=1e-3)  # fp16 residual
+    err = (got[:192] - x[:192]).abs().reshape(3, 64, H, D)
+    xb = x[:192].reshape(3, 64, H, D)
+    step = (xb.amax(1, keepdim=True) - xb.amin(1, keepdim=True)) / (2**bits - 1)
+    assert (err <= step * 0.5 * 1.01 + 2e-2).all()  # per channel: outliers get their range
+    assert err.mean() > 1e-3
+
+
+def test_kivi_values_per_token():
+    x = outlier_rows(320)
+    err = (roundtrip("kivi4", x, "value")[:192] - x[:192]).abs()
+    step = (x[:192].amax(-1, keepdim=True) - x[:192].amin(-1, keepdim=True)) / 15
+    assert (err <= step * 0.5 * 1.01 + 2e-2).all()
+
+
+@pytest.mark.parametrize("role", ["key", "value"])
+def test_kivi_row_by_row_equals_one_write(role):
+    x = outlier_rows(300)
+    codec = make_codec("kivi4", role)
+    one = codec.allocate(300, H, D, torch.device("cpu"))
+    one.write(slice(0, 300), x)
+    rows = codec.allocate(300, H, D, torch.device("cpu"))
+    for i in range(300):
+        rows.write(slice(i, i + 1), x[i : i + 1])
+    assert torch.equal(one.read(0, 300, torch.float32), rows.read(0, 300, torch.float32))
+    assert torch.equal(one.read(70, 75, torch.float32), one.read(0, 300, torch.float32)[70:75])
+
+
+def test_kivi_rewrite_in_sealed_block_reopens_it():
+    x = outlier_rows(512)
+    buf = make_codec("kivi4", "key").allocate(512, H, D, torch.device("cpu"))
+    buf.write(slice(0, 512), x)
+    before = buf.read(0, 64, torch.float32)
+    new = torch.full((1, H, D), 3.0)
+    buf.write(torch.tensor([10]), new)  # block 0 was sealed long ago
+    after = buf.read(0, 64, torch.float32)
+    assert torch.allclose(after[10], new[0])
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[10] = False
+    assert torch.allclose(after[keep], before[keep], atol=1e-2)
+    cells = torch.tensor([3, 10, 500])
+    gathered = buf.gather(cells, torch.float32)
+    assert torch.equal(gathered, buf.read(0, 512, torch.float32)[cells])
+
+
+def test_kivi_bytes_count_codes_meta_and_residual():
+    key = make_codec("kivi4", "key").allocate(1000, H, D, torch.device("cpu"))
+    blocks = -(-1000 // 64)
+    codes = blocks * 64 * H * D // 2
+    assert key.nbytes() == codes + 2 * blocks * H * D * 2 + 128 * H * D * 2
+    value = make_codec("kivi2", "value").allocate(1000, H, D, torch.device("cpu"))
+    assert value.nbytes() == blocks * 64 * H * (D // 4 + 2 * 2) + 128 * H * D * 2

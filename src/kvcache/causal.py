@@ -111,8 +111,8 @@ class CausalCache:
         self.num_cells = -(-n // self.padding) * self.padding
         self.cells = Cells(self.num_cells)
         native = FloatCodec(dtype)
-        self.key_codec = make_codec(key_codec or codec or native, "key_codec")
-        self.value_codec = make_codec(value_codec or codec or native, "value_codec")
+        self.key_codec = make_codec(key_codec or codec or native, "key")
+        self.value_codec = make_codec(value_codec or codec or native, "value")
         self.storage = Storage(self.num_cells, dtype, self.device, self.key_codec, self.value_codec)
         self._fwd: _Forward | None = None
         self._closed = False

@@ -18,26 +18,42 @@ import torch
 from kvcache.codecs.base import Buffer, Codec
 from kvcache.codecs.floats import FloatCodec
 from kvcache.codecs.ints import Int4Codec, Int8Codec
+from kvcache.codecs.kivi import KiviCodec
 from kvcache.errors import InvalidConfigError
 
-CODECS: dict[str, Callable[[], Codec]] = {
-    "fp32": lambda: FloatCodec(torch.float32),
-    "fp16": lambda: FloatCodec(torch.float16),
-    "bf16": lambda: FloatCodec(torch.bfloat16),
-    "int8": Int8Codec,
-    "int4": Int4Codec,
-    "int4g64": lambda: Int4Codec(group=64),
+# name -> factory(is_key)
+CODECS: dict[str, Callable[[bool], Codec]] = {
+    "fp32": lambda key: FloatCodec(torch.float32),
+    "fp16": lambda key: FloatCodec(torch.float16),
+    "bf16": lambda key: FloatCodec(torch.bfloat16),
+    "int8": lambda key: Int8Codec(),
+    "int4": lambda key: Int4Codec(),
+    "int4g64": lambda key: Int4Codec(group=64),
+    "kivi4": lambda key: KiviCodec(4, per_channel=key),
+    "kivi2": lambda key: KiviCodec(2, per_channel=key),
 }
 
 
-def make_codec(spec: str | Codec, name: str = "codec") -> Codec:
-    """A codec from its registry name (or a Codec instance, returned as is)."""
+def make_codec(spec: str | Codec, role: str = "key") -> Codec:
+    """A codec from its registry name for ``role`` "key" or "value" (a Codec is returned
+    as is)."""
     if isinstance(spec, Codec):
         return spec
     factory = CODECS.get(spec) if isinstance(spec, str) else None
     if factory is None:
-        raise InvalidConfigError(name, spec, f"one of {sorted(CODECS)} or a Codec instance")
-    return factory()
+        raise InvalidConfigError(
+            f"{role}_codec", spec, f"one of {sorted(CODECS)} or a Codec instance"
+        )
+    return factory(role == "key")
 
 
-__all__ = ["CODECS", "Buffer", "Codec", "FloatCodec", "Int4Codec", "Int8Codec", "make_codec"]
+__all__ = [
+    "CODECS",
+    "Buffer",
+    "Codec",
+    "FloatCodec",
+    "Int4Codec",
+    "Int8Codec",
+    "KiviCodec",
+    "make_codec",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.codecs.base import Buffer, Codec, Locs, tensor_bytes
+from kvcache.codecs.pack import pack, unpack
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
 
 META = torch.float16  # scales and minimums: counted in nbytes like the codes
@@ -76,8 +77,7 @@ class Int4Buffer(Buffer):
         scale = ((xg.amax(dim=-1) - low.float()) / 15.0).to(META)
         safe = scale.float().clamp_min(torch.finfo(META).tiny)
         q = torch.round((xg - low.float()[..., None]) / safe[..., None]).clamp_(0, 15)
-        q = q.to(torch.uint8).reshape(t, h, self.dim // 2, 2)
-        _put(self.codes, locs, q[..., 0] | (q[..., 1] << 4))
+        _put(self.codes, locs, pack(q.reshape(t, h, self.dim), 4))
         _put(self.scale, locs, scale)
         _put(self.low, locs, low)
 
@@ -85,8 +85,7 @@ class Int4Buffer(Buffer):
         self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         n, h, _ = codes.shape
-        q = torch.stack((codes & 15, codes >> 4), dim=-1).to(dtype)  # [L, H, D/2, 2]
-        q = q.reshape(n, h, -1, self.group)  # [L, H, D/G, G]
+        q = unpack(codes, 4).to(dtype).reshape(n, h, -1, self.group)  # [L, H, D/G, G]
         x = torch.addcmul(low.to(dtype)[..., None], q, scale.to(dtype)[..., None])
         return x.reshape(n, h, self.dim)
 
