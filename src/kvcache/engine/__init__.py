@@ -1,0 +1,1 @@
+"""Serving: continuous batching over one cell cache, prefix reuse, block stores, HTTP."""
