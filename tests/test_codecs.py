@@ -130,7 +130,7 @@ def test_compressed_cache_keeps_float_semantics(name, tol):
         assert (k_r[visible] - k_g[visible]).abs().max() < tol
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "kivi4", "kivi2"])
+@pytest.mark.parametrize("name", ["int8", "int4", "kivi4", "kivi2", "turbo4", "turbo3"])
 def test_window_eviction_with_codec_matches_float(name):
     def run(codec):
         cache = CausalCache(64, window=3, max_batch=4, codec=codec)
@@ -207,3 +207,15 @@ def test_kivi_bytes_count_codes_meta_and_residual():
     assert key.nbytes() == codes + 2 * blocks * H * D * 2 + 128 * H * D * 2
     value = make_codec("kivi2", "value").allocate(1000, H, D, torch.device("cpu"))
     assert value.nbytes() == blocks * 64 * H * (D // 4 + 2 * 2) + 128 * H * D * 2
+
+
+@pytest.mark.parametrize("name, cosine, row_bytes", [("turbo4", 0.99, 34), ("turbo3", 0.975, 26)])
+def test_turbo_rows_round_trip_and_bytes(name, cosine, row_bytes):
+    x = outlier_rows(200)
+    for role in ("key", "value"):
+        got = roundtrip(name, x, role)
+        cos = torch.nn.functional.cosine_similarity(got.reshape(-1, D), x.reshape(-1, D))
+        assert cos.mean() > cosine and cos.min() > cosine - 0.05
+        assert torch.allclose(got.norm(dim=-1), x.norm(dim=-1), rtol=2e-2)  # norm-preserving
+    buf = make_codec(name).allocate(10, H, D, torch.device("cpu"))
+    assert buf.nbytes() == 10 * H * row_bytes  # 64 * bits / 8 code bytes + a bf16 scale

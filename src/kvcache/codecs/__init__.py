@@ -19,6 +19,7 @@ from kvcache.codecs.base import Buffer, Codec
 from kvcache.codecs.floats import FloatCodec
 from kvcache.codecs.ints import Int4Codec, Int8Codec
 from kvcache.codecs.kivi import KiviCodec
+from kvcache.codecs.turbo_codec import TurboCodec
 from kvcache.errors import InvalidConfigError
 
 # name -> factory(is_key)
@@ -31,6 +32,8 @@ CODECS: dict[str, Callable[[bool], Codec]] = {
     "int4g64": lambda key: Int4Codec(group=64),
     "kivi4": lambda key: KiviCodec(4, per_channel=key),
     "kivi2": lambda key: KiviCodec(2, per_channel=key),
+    "turbo4": lambda key: TurboCodec(4, keys=key),
+    "turbo3": lambda key: TurboCodec(3, keys=key),
 }
 
 

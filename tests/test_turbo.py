@@ -1,0 +1,332 @@
+"""The TurboQuant building blocks against references: a dense Hadamard matrix, Max's (1960)
+Gaussian Lloyd–Max constants, a bit-by-bit packer, brute-force nearest centroids, the
+rate-distortion of the codebook, and the QJL estimator's expectation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.codecs.turbo import (
+    Rotation,
+    TurboQuantizer,
+    _BetaCoordinate,
+    _lloyd_levels,
+    fwht,
+    hadamard,
+    lloyd_max,
+    pack_codes,
+    packed_width,
+    padded_dim,
+    unpack_codes,
+)
+from kvcache.errors import DimensionMismatchError, InvalidConfigError
+
+
+def dense_hadamard(p: int) -> torch.Tensor:
+    """Reference: H_p / sqrt(p) from the definition H[i, j] = (-1)^popcount(i & j), float64."""
+    i = torch.arange(p)
+    bits = (i[:, None] & i[None, :]).numpy()
+    parity = np.vectorize(lambda v: bin(int(v)).count("1") % 2)(bits)
+    return torch.tensor(1.0 - 2.0 * parity, dtype=torch.float64) / math.sqrt(p)
+
+
+@pytest.mark.parametrize("p", [2, 4, 64, 128, 256, 1024])
+def test_fwht_equals_dense_hadamard_and_is_an_involution(p):
+    x = torch.randn(5, p, dtype=torch.float64)
+    ref = x @ dense_hadamard(p)
+    assert torch.allclose(fwht(x.float()).double(), ref, atol=1e-5)  # p > 128: 2 radix stages
+    assert torch.allclose(fwht(fwht(x.float())).double(), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [2, 3, 64, 100, 200])
+def test_rotation_is_orthonormal_and_inverted(dim):
+    rot = Rotation(dim, seed=3)
+    x = torch.randn(50, dim)
+    y = rot.forward(x)
+    assert y.shape == (50, padded_dim(dim))
+    assert torch.allclose(y.norm(dim=1), x.norm(dim=1), rtol=1e-5)
+    assert torch.allclose(rot.inverse(y), x, atol=1e-5)
+
+
+def test_hadamard_is_sylvester():
+    h = hadamard(8)
+    assert torch.equal(h @ h.T, 8 * torch.eye(8))
+    assert torch.allclose(h.double() / math.sqrt(8), dense_hadamard(8))
+
+
+# Max (1960), MSE of the optimal quantizer of a unit Gaussian with 2, 4, 8, 16 levels.
+MAX_GAUSSIAN_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_codebook_at_large_dim_is_max_gaussian_quantizer(bits):
+    book = lloyd_max(4096, bits)  # rotated coordinates ~ N(0, 1/P): Max's codebook
+    assert book.mse == pytest.approx(MAX_GAUSSIAN_MSE[bits], rel=2e-3)
+    c = book.centroids
+    assert torch.all(c[1:] > c[:-1])
+    assert torch.allclose(c, -c.flip(0), atol=1e-6)  # symmetric
+
+
+@pytest.mark.parametrize("dim", [2, 8, 64])
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_codebook_is_a_lloyd_fixed_point_and_a_minimum(dim, bits):
+    c, mse = _lloyd_levels(dim, bits)
+    dist = _BetaCoordinate(dim)
+    assert np.max(np.abs(dist.centroids(c) - c)) < 1e-9
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # any small move of the levels costs MSE
+        moved = np.sort(c + rng.normal(0, 1e-3 / math.sqrt(dim), c.shape))
+        assert dist.mse(moved) > mse
+
+
+@pytest.mark.parametrize("dim", [8, 64])
+def test_codebook_fits_the_beta_distribution_of_rotated_unit_vectors(dim):
+    """Monte Carlo on uniform unit vectors: the fitted codebook reaches its stated MSE, and at
+    small dim it beats the Gaussian (large-dim) codebook, which is why it is fitted per dim."""
+    x = torch.randn(40000, dim, dtype=torch.float64)
+    t = (x / x.norm(dim=1, keepdim=True) * math.sqrt(dim)).float()  # [N, P] unit variance
+    own, gauss = lloyd_max(dim, 3), lloyd_max(4096, 3)
+    err_own = ((own.decode(own.encode(t)) - t) ** 2).mean().item()
+    err_gauss = ((gauss.decode(gauss.encode(t)) - t) ** 2).mean().item()
+    assert err_own == pytest.approx(own.mse, rel=0.03)
+    if dim == 8:
+        assert err_gauss > 1.05 * err_own
+
+
+def test_codebook_fit_is_deterministic():
+    a = lloyd_max(64, 4)
+    lloyd_max.cache_clear()
+    b = lloyd_max(64, 4)
+    assert torch.equal(a.centroids, b.centroids) and torch.equal(a.boundaries, b.boundaries)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+def test_encode_picks_the_nearest_centroid_up_to_the_grid(bits):
+    """Boundaries sit on a grid (step <= smallest gap / 32): codes are the brute-force nearest
+    centroid except for inputs within half a grid step of an unrounded midpoint."""
+    book = lloyd_max(128, bits)
+    t = torch.randn(5000, 8) * 1.5
+    got = book.encode(t).long()
+    nearest = (t[..., None] - book.centroids).abs().argmin(-1)
+    differ = got != nearest
+    mid = (book.centroids[1:] + book.centroids[:-1]) / 2
+    half_step = 2.0 ** -(book.grid_bits + 1)
+    assert half_step <= (mid[1:] - mid[:-1]).min().item() / 64 if bits > 1 else True
+    near_mid = ((t[..., None] - mid).abs() < half_step + 1e-6).any(-1)
+    assert not bool((differ & ~near_mid).any())
+    # And they are the stored (rounded) boundaries' buckets, up to float rounding of t * 2^10.
+    off = got != torch.bucketize(t, book.boundaries, right=True)
+    assert not bool((off & ((t[..., None] - book.boundaries).abs() > 1e-5).all(-1)).any())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_grid_rounding_costs_under_a_thousandth_of_the_mse(bits):
+    """Paired Monte Carlo: the same rotated coordinates, grid lookup vs exact nearest centroid."""
+    book = lloyd_max(128, bits)
+    x = torch.randn(4000, 128, dtype=torch.float64)
+    t = (x / x.norm(dim=1, keepdim=True) * math.sqrt(128)).float()
+    grid = ((book.decode(book.encode(t)) - t) ** 2).mean().item()
+    mids = (book.centroids[1:] + book.centroids[:-1]) / 2  # unrounded boundaries
+    exact = ((book.centroids[torch.bucketize(t, mids)] - t) ** 2).mean().item()
+    assert grid == pytest.approx(exact, rel=1e-3)
+    assert grid == pytest.approx(book.mse, rel=0.02)
+
+
+def pack_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bit-by-bit little-endian packer."""
+    n, count = codes.shape
+    out = torch.zeros(n, packed_width(count, bits), dtype=torch.uint8)
+    for i in range(count):
+        for j in range(bits):
+            pos = i * bits + j
+            bit = ((codes[:, i].long() >> j) & 1).to(torch.uint8)
+            out[:, pos // 8] |= bit << (pos % 8)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.integers(1, 8),
+    count=st.integers(1, 70),
+    rows=st.integers(1, 4),
+    seed=st.integers(0, 2**31),
+)
+def test_pack_matches_bit_by_bit_reference_and_round_trips(bits, count, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (rows, count), generator=g, dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, packed_width(count, bits))
+    assert torch.equal(packed, pack_reference(codes, bits))
+    assert torch.equal(unpack_codes(packed, bits, count), codes.int())
+    book = lloyd_max(64, bits)
+    assert torch.equal(book.decode_packed(packed, count), book.centroids[codes.long()])
+
+
+def norm_preserving_error(mse: float) -> float:
+    """Expected ||u - u_hat||^2 for a unit u decoded with its own norm: 2 - 2 cos, and
+    cos = sqrt(1 - mse) for a Lloyd–Max codebook (error orthogonal to the decoded vector)."""
+    return 2.0 - 2.0 * math.sqrt(1.0 - mse)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_round_trip_error_matches_rate_distortion(dim, bits):
+    tq = TurboQuantizer(dim, bits, seed=1)
+    x = torch.randn(3000, dim) * torch.rand(3000, 1) * 10  # random norms
+    for enc, dec in ((tq.encode_values, tq.decode_values), (tq.encode_keys, tq.decode_keys)):
+        got = dec(enc(x))
+        rel = ((got - x).norm(dim=1) ** 2 / x.norm(dim=1) ** 2).mean().item()
+        expect = norm_preserving_error(tq.value_codebook.mse)
+        assert 0.9 * expect < rel < 1.1 * expect, (bits, rel, expect)
+        assert torch.allclose(got.norm(dim=1), x.norm(dim=1), rtol=1e-2)  # bf16 scale
+
+
+def test_round_trip_with_padding_keeps_the_bound():
+    tq = TurboQuantizer(100, 4, seed=0)  # padded to 128
+    x = torch.randn(2000, 100)
+    rel = ((tq.decode_values(tq.encode_values(x)) - x).norm(dim=1) ** 2 / 100).mean().item()
+    assert rel < 1.1 * norm_preserving_error(tq.value_codebook.mse)
+
+
+def test_offset_is_subtracted_only_where_it_shrinks_the_vector():
+    tq = TurboQuantizer(64, 4, seed=0)
+    offset = torch.zeros(64)
+    offset[:4] = 20.0  # a shared outlier component
+    near = offset + torch.randn(500, 64)  # ordinary keys: centring helps
+    far = -offset + torch.randn(10, 64)  # "sink" keys: centring would double their norm
+    x = torch.cat([near, far, offset[None], torch.zeros(1, 64)])
+    enc = tq.encode_keys(x, offset)
+    flags = torch.signbit(enc.scale[:, 0])
+    assert bool(flags[:500].all()) and not bool(flags[500:510].any())
+    got = tq.decode_keys(enc, offset)
+    assert torch.allclose(got[-2], offset) and torch.equal(got[-1], torch.zeros(64))
+    plain = tq.decode_keys(tq.encode_keys(near))
+    centred_err = (got[:500] - near).norm(dim=1).mean()
+    assert centred_err < 0.3 * (plain - near).norm(dim=1).mean()  # error ~ ||k - mean||
+
+
+@pytest.mark.parametrize("mode", ["mse", "qjl"])
+def test_key_scores_equal_inner_products_with_decoded_keys(mode):
+    tq = TurboQuantizer(64, 3, projections=64, seed=5, key_mode=mode)
+    k, q = torch.randn(300, 64), torch.randn(7, 64)
+    offset = torch.randn(64) * 0.5
+    enc = tq.encode_keys(k, offset)
+    ref = q @ tq.decode_keys(enc, offset).T
+    assert torch.allclose(tq.key_scores(q, enc, offset), ref, atol=1e-4)
+    rotated = tq.rotate_queries(q)  # rotate once, reuse for every key block
+    assert torch.allclose(tq.key_scores(rotated, enc, offset, rotated=True), ref, atol=1e-4)
+
+
+def test_weighted_values_equal_weights_times_decoded_values():
+    tq = TurboQuantizer(64, 4, seed=2)
+    v, w = torch.randn(300, 64), torch.rand(5, 300)
+    offset = torch.randn(64)
+    enc = tq.encode_values(v, offset)
+    assert torch.allclose(
+        tq.weighted_values(w, enc, offset), w @ tq.decode_values(enc, offset), atol=1e-4
+    )
+
+
+def test_qjl_inner_product_estimator_is_unbiased():
+    """Fixed key and query; the estimator's randomness is the sketch matrix (a seed). The mean
+    error over many seeds must be ~0 within 4 standard errors, where the standard error
+    comes from the per-seed variance (QJL: ~ (pi/2) ||q||^2 ||r||^2 / m). The MSE-only
+    estimator of the same bits is biased (the codebook shrinks inner products), which this
+    tolerance detects, so the test can fail."""
+    torch.manual_seed(0)
+    k = torch.randn(1, 64)
+    q = k + 0.5 * torch.randn(1, 64)  # correlated, so <q, k> is large and a shrink shows
+    exact = (q @ k.T).item()
+    seeds = 1500
+    errors = {"qjl": [], "mse": []}
+    for s in range(seeds):
+        for mode, bits in (("qjl", 2), ("mse", 1)):  # both: 1 codebook bit per coordinate
+            tq = TurboQuantizer(64, bits, projections=64, seed=s, key_mode=mode)
+            errors[mode].append(tq.key_scores(q, tq.encode_keys(k)).item() - exact)
+    e = torch.tensor(errors["qjl"], dtype=torch.float64)
+    stderr = e.std().item() / math.sqrt(seeds)
+    assert abs(e.mean().item()) < 4 * stderr, (e.mean().item(), stderr)
+    theory_var = (math.pi / 2) * q.norm().item() ** 2 * k.norm().item() ** 2 * 0.3634 / 64
+    assert e.var().item() < 1.5 * theory_var  # ||r||^2 ~ 0.36 ||k||^2 after 1 bit
+    biased = torch.tensor(errors["mse"], dtype=torch.float64)
+    assert abs(biased.mean().item()) > 4 * biased.std().item() / math.sqrt(seeds)
+    assert e.var() > 2 * biased.var()  # the price of no bias: why keys default to "mse"
+
+
+def test_encoding_is_deterministic_per_seed():
+    x = torch.randn(20, 64)
+    a = TurboQuantizer(64, 4, seed=1).encode_keys(x)
+    b = TurboQuantizer(64, 4, seed=1).encode_keys(x)
+    c = TurboQuantizer(64, 4, seed=2).encode_keys(x)
+    assert all(torch.equal(s, t) for s, t in zip(a.tensors(), b.tensors(), strict=True))
+    assert not torch.equal(a.codes, c.codes)
+
+
+@pytest.mark.parametrize("mode", ["mse", "qjl"])
+@pytest.mark.parametrize("bits", [1, 3, 4])
+def test_nbytes_counts_every_buffer(mode, bits):
+    tq = TurboQuantizer(64, bits, projections=40, seed=0, key_mode=mode)
+    x = torch.randn(10, 64)
+    keys, values = tq.encode_keys(x), tq.encode_values(x)
+    key_bits = bits - 1 if mode == "qjl" else bits
+    sketch = (5 + 2) if mode == "qjl" else 0  # 40 sign bits + bf16 residual norm
+    assert tq.nbytes(keys) == 10 * (64 * key_bits // 8 + 2 + sketch) == 10 * tq.bytes_per_key()
+    assert tq.nbytes(values) == 10 * (64 * bits // 8 + 2) == 10 * tq.bytes_per_value()
+    assert keys.codes.dtype == values.codes.dtype == torch.uint8
+
+
+def test_huge_and_zero_vectors_round_trip():
+    tq = TurboQuantizer(64, 4, seed=0)
+    x = torch.randn(3, 64)
+    x[0] *= 1e30  # squares overflow float32: norms are taken in float64
+    x[1] = 0.0
+    got = tq.decode_values(tq.encode_values(x))
+    assert torch.isfinite(got).all()
+    assert (got[0] - x[0]).double().norm() < 0.15 * x[0].double().norm()
+    assert torch.equal(got[1], torch.zeros(64))
+
+
+def test_bad_configuration_and_shapes_raise_typed_errors():
+    for kwargs in (
+        {"head_dim": 1, "bits": 4},
+        {"head_dim": 64, "bits": 0},
+        {"head_dim": 64, "bits": 9},
+    ):
+        with pytest.raises(InvalidConfigError):
+            TurboQuantizer(**kwargs)
+    with pytest.raises(InvalidConfigError):
+        TurboQuantizer(64, 4, projections=0)
+    with pytest.raises(InvalidConfigError):
+        TurboQuantizer(64, 4, key_mode="prod")
+    tq = TurboQuantizer(64, 4)
+    with pytest.raises(DimensionMismatchError):
+        tq.encode_keys(torch.randn(3, 32))
+    with pytest.raises(DimensionMismatchError):
+        tq.key_scores(torch.randn(2, 32), tq.encode_keys(torch.randn(3, 64)))
+
+
+def test_per_row_offsets_equal_shared_offsets_row_by_row():
+    """A cell cache mixing heads in one batch passes one offset per row ([N, D])."""
+    tq = TurboQuantizer(32, 4, seed=0)
+    x = torch.randn(40, 32) + 4.0
+    offsets = torch.stack([torch.full((32,), 4.0), torch.zeros(32)]).repeat(20, 1)  # [40, D]
+    enc = tq.encode_keys(x, offsets)
+    q, w = torch.randn(3, 32), torch.rand(3, 40)
+    for r in range(2):  # rows r, r+2, ...: the same as encoding them with their shared offset
+        shared = tq.encode_keys(x[r::2], offsets[r])
+        assert torch.equal(enc.codes[r::2], shared.codes) and torch.equal(
+            enc.scale[r::2], shared.scale
+        )
+    decoded = tq.decode_keys(enc, offsets)
+    assert torch.allclose(tq.key_scores(q, enc, offsets), q @ decoded.T, atol=1e-4)
+    values = tq.encode_values(x, offsets)
+    ref = w @ tq.decode_values(values, offsets)
+    assert torch.allclose(tq.weighted_values(w, values, offsets), ref, atol=1e-4)
+    with pytest.raises(DimensionMismatchError):
+        tq.encode_keys(x, torch.zeros(39, 32))
