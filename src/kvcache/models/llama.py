@@ -1,0 +1,458 @@
+"""A Llama-family decoder (SmolLM2) that keeps its K/V in a caller-owned cell cache.
+
+Layout: activations are token-major, ``x: [T, E]`` for the T tokens of one forward, which may
+mix prefill chunks and decode tokens of many sequences (a :class:`~kvcache.Batch` says which
+position of which sequence each row is). Per layer the fused projection gives
+``qkv: [T, (Hq + 2 Hkv) D]``; RoPE rotates q and k together; k, v ``[T, Hkv, D]`` go to the
+cache, which hands back its history as token-major views ``[L, Hkv, D]`` plus a bool mask
+``[T, L]``. For decode steps (few tokens) attention groups the ``G = Hq / Hkv`` query heads
+of each KV head into one matrix, straight on the cache's views::
+
+    q  [T, Hkv, G, D] -> [Hkv, T*G, D]      k [L, Hkv, D] -> [Hkv, D, L] (strided view)
+    scores = bias + q @ k / sqrt(D)          bias [T*G, L]: 0 / -inf from the mask, once
+    out = softmax(scores) @ v  [Hkv, T*G, D] -> [T, Hq*D]
+
+Prefill chunks (``SDPA_MIN_TOKENS`` or more) go through SDPA's fused kernel with 4-D inputs.
+Query head ``h`` reads KV head ``h // G`` (HuggingFace's ``repeat_kv`` order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvcache.batch import Batch
+from kvcache.causal import CausalCache
+from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
+from kvcache.models.rope import Rope
+from kvcache.protocol import Cache
+from kvcache.weights.gguf import GGUFFile, smollm2_path, unpermute_rope_rows
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+# Chunks of at least this many tokens attend through SDPA's fused kernel (measured here, one
+# thread: 512 tokens over a 4k history 53 ms vs 109 ms for matmul-softmax-matmul, whose
+# [T*G, L] scores also cost memory); fewer tokens (decode) use the grouped matmuls on the
+# cache's views (1 token over 4k: 0.49 ms vs 1.21 ms for SDPA).
+SDPA_MIN_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    context_length: int = 2048
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(name, getattr(self, name), "an int >= 1")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise InvalidArgumentError(
+                "num_kv_heads", self.num_kv_heads, f"a divisor of num_heads={self.num_heads}"
+            )
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> LlamaConfig:
+        """Hyper-parameters from ``llama.*`` metadata (llama.cpp's key names)."""
+        gguf.require_architecture("llama")
+        scaling = gguf.get("llama.rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise NotSupportedError(
+                f"{gguf.path.name}: llama.rope.scaling.type={scaling!r} is not supported; "
+                "expected 'none'"
+            )
+        hidden = int(gguf.require("llama.embedding_length"))
+        heads = int(gguf.require("llama.attention.head_count"))
+        vocab = gguf.get("llama.vocab_size")
+        if vocab is None:
+            vocab = len(gguf.require("tokenizer.ggml.tokens"))
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(gguf.require("llama.feed_forward_length")),
+            num_layers=int(gguf.require("llama.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(gguf.get("llama.attention.head_count_kv", heads)),
+            head_dim=int(gguf.get("llama.attention.key_length", hidden // heads)),
+            rope_theta=float(gguf.get("llama.rope.freq_base", 10000.0)),
+            rms_eps=float(gguf.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            context_length=int(gguf.get("llama.context_length", 2048)),
+            tie_embeddings=not gguf.has_tensor("output.weight"),
+        )
+
+
+@dataclass
+class LlamaLayer:
+    """Weights of one decoder block, projections fused ([out, in] like ``nn.Linear``)."""
+
+    attn_norm: torch.Tensor  # [E]
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, E]
+    wo: torch.Tensor  # [E, Hq D]
+    mlp_norm: torch.Tensor  # [E]
+    w_gate_up: torch.Tensor  # [2 F, E]
+    w_down: torch.Tensor  # [E, F]
+
+
+@dataclass
+class LlamaWeights:
+    """All weights; ``lm_head`` is the embedding tensor itself when they are tied."""
+
+    embed: torch.Tensor  # [V, E]
+    layers: list[LlamaLayer]
+    norm: torch.Tensor  # [E]
+    lm_head: torch.Tensor  # [V, E]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (Llama's pre-norm)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def additive_mask(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask ``[T, L]`` (True = may attend) -> float bias ``[T*G, L]`` of 0 / -inf."""
+    t, length = mask.shape
+    bias = torch.zeros((t, length), dtype=dtype).masked_fill_(~mask, float("-inf"))
+    # bias: [T, G, L] -> [T*G, L], row t*G + g for query head g of the group
+    return bias[:, None, :].expand(t, group, length).reshape(t * group, length)
+
+
+class Llama:
+    """Llama decoder over a caller-owned cache; the model itself holds weights only."""
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = weights.embed.dtype
+        self.rope = Rope(config.head_dim, config.rope_theta)
+        self._check_shapes()
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def from_gguf(
+        cls, path: str | Path | GGUFFile | None = None, dtype: torch.dtype = torch.float32
+    ) -> Llama:
+        """Load a Llama GGUF (None = the bundled SmolLM2-135M-Instruct), dequantized to ``dtype``."""
+        _check_dtype(dtype)
+        if isinstance(path, GGUFFile):
+            return cls._load(path, dtype)
+        with GGUFFile(smollm2_path() if path is None else path) as gguf:
+            gguf.release("tokenizer.")  # not ours to read: free it before the weights arrive
+            return cls._load(gguf, dtype)
+
+    @classmethod
+    def _load(cls, gguf: GGUFFile, dtype: torch.dtype) -> Llama:
+        config = LlamaConfig.from_gguf(gguf)
+        # the embedding first: its dequantization peaks while little else is resident
+        embed = gguf.tensor("token_embd.weight", dtype)
+        layers = [_load_layer(gguf, config, i, dtype) for i in range(config.num_layers)]
+        lm_head = embed if config.tie_embeddings else gguf.tensor("output.weight", dtype)
+        norm = gguf.tensor("output_norm.weight", dtype)
+        return cls(config, LlamaWeights(embed, layers, norm, lm_head))
+
+    @classmethod
+    def random(
+        cls, config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float64
+    ) -> Llama:
+        """Random weights scaled so activations stay O(1): exactness tests need no download."""
+        _check_dtype(dtype)
+        g = torch.Generator().manual_seed(seed)
+        c = config
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+
+        def mat(rows: int, cols: int) -> torch.Tensor:
+            return (torch.randn(rows, cols, generator=g, dtype=torch.float64) / math.sqrt(cols)).to(
+                dtype
+            )
+
+        def norm() -> torch.Tensor:
+            return (1.0 + 0.1 * torch.randn(c.hidden_size, generator=g, dtype=torch.float64)).to(
+                dtype
+            )
+
+        layers = [
+            LlamaLayer(
+                attn_norm=norm(),
+                wqkv=mat(qkv_rows, c.hidden_size),
+                wo=mat(c.hidden_size, c.num_heads * c.head_dim),
+                mlp_norm=norm(),
+                w_gate_up=mat(2 * c.intermediate_size, c.hidden_size),
+                w_down=mat(c.hidden_size, c.intermediate_size),
+            )
+            for _ in range(c.num_layers)
+        ]
+        embed = mat(c.vocab_size, c.hidden_size) * math.sqrt(c.hidden_size)
+        lm_head = embed if c.tie_embeddings else mat(c.vocab_size, c.hidden_size)
+        return cls(config, LlamaWeights(embed, layers, norm(), lm_head))
+
+    def new_cache(
+        self,
+        capacity: int,
+        *,
+        max_sequences: int = 1,
+        max_batch: int | None = None,
+        window: int | None = None,
+    ) -> CausalCache:
+        """A causal cache for this model: its dtype, and RoPE as the shift of middle removals."""
+        return CausalCache(
+            capacity,
+            max_sequences=max_sequences,
+            max_batch=max_batch,
+            window=window,
+            shift=self.rope.shift,
+            dtype=self.dtype,
+        )
+
+    # ---- forward ---------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor | Sequence[int],
+        batch: Batch,
+        cache: Cache,
+        *,
+        outputs: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[len(outputs), V]`` (all rows when None) of a batch of many sequences.
+
+        ``outputs`` lists the batch rows whose logits are wanted (the LM head is a fifth of
+        the weights: a prefill chunk needs at most its last row, or none).
+        """
+        ids = self._token_ids(tokens, len(batch))
+        rows = self._output_rows(outputs, len(batch))
+        with torch.no_grad():
+            cache.start_forward(batch)
+            positions = torch.tensor(batch.positions, dtype=torch.int64)  # [T]
+            cos, sin = self.rope.tables(positions, self.dtype)  # [T, 1, D] each
+            x = F.embedding(ids, self.weights.embed)  # x: [T, E]
+            state = _MaskState()
+            for i, layer in enumerate(self.weights.layers):
+                x = self._block(i, layer, x, cos, sin, cache, state)
+            if rows is not None:
+                x = x[rows]
+            return self._logits(x)
+
+    __call__ = forward
+
+    def forward_full(
+        self,
+        tokens: torch.Tensor | Sequence[int],
+        *,
+        window: int | None = None,
+        outputs: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[T, V]`` of one sequence at positions 0..T-1 with no cache (the reference).
+
+        ``window`` W limits each token to the W before it (and itself), as a window cache does;
+        ``outputs`` picks rows as in :meth:`forward`.
+        """
+        ids = self._token_ids(tokens, None)
+        t = len(ids)
+        rows = self._output_rows(outputs, t)
+        c = self.config
+        with torch.no_grad():
+            cos, sin = self.rope.tables(torch.arange(t), self.dtype)
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            if window is not None:
+                causal &= torch.ones(t, t, dtype=torch.bool).triu(-window)
+            bias = torch.zeros(t, t, dtype=self.dtype).masked_fill_(~causal, float("-inf"))
+            x = F.embedding(ids, self.weights.embed)  # x: [T, E]
+            for layer in self.weights.layers:
+                q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, c.rms_eps), cos, sin)
+                # k, v: [T, Hkv, D] -> [Hq, T, D], each query head with its own copy
+                k_full = k.repeat_interleave(c.group, dim=1).transpose(0, 1)
+                v_full = v.repeat_interleave(c.group, dim=1).transpose(0, 1)
+                scores = q.transpose(0, 1) @ k_full.transpose(1, 2) / math.sqrt(c.head_dim)
+                out = torch.softmax(scores + bias, dim=-1) @ v_full  # out: [Hq, T, D]
+                x = x + F.linear(out.transpose(0, 1).reshape(t, -1), layer.wo)
+                x = x + F.linear(self._swiglu(layer, x), layer.w_down)
+            return self._logits(x if rows is None else x[rows])
+
+    # ---- pieces ----------------------------------------------------------------------
+    def _block(
+        self,
+        index: int,
+        layer: LlamaLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: Cache,
+        state: _MaskState,
+    ) -> torch.Tensor:
+        """One decoder block through the cache: attention then MLP, residuals fused in addmm."""
+        c = self.config
+        q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, c.rms_eps), cos, sin)
+        keys, values, mask = cache.update(index, k, v)  # keys, values: [L, Hkv, D]
+        if mask is None:
+            raise NotSupportedError(
+                f"{type(cache).__name__} returned no mask: Llama needs a causal cache"
+            )
+        out = self._attend(q, keys, values, state.see(mask))
+        x = torch.addmm(x, out, layer.wo.t())  # x: [T, E]
+        return torch.addmm(x, self._swiglu(layer, x), layer.w_down.t())
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, state: _MaskState
+    ) -> torch.Tensor:
+        """Grouped-query attention of q ``[T, Hq, D]`` over cache views; out ``[T, Hq*D]``."""
+        if keys.dtype != self.dtype:  # a cache storing another dtype hands back copies
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
+        if q.shape[0] >= SDPA_MIN_TOKENS:
+            return self._attend_chunk(q, keys, values, state.mask)
+        c = self.config
+        t = q.shape[0]
+        # qg: [Hkv, T*G, D] (a view for a decode step, T = 1)
+        qg = q.reshape(t, c.num_kv_heads, c.group, c.head_dim).transpose(0, 1)
+        qg = qg.reshape(c.num_kv_heads, t * c.group, c.head_dim)
+        bias = state.bias(c.group, self.dtype)  # [T*G, L]
+        # scores: [Hkv, T*G, L]; keys.permute is a strided view of token-major storage
+        scores = torch.baddbmm(bias, qg, keys.permute(1, 2, 0), alpha=1.0 / math.sqrt(c.head_dim))
+        out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [Hkv, T*G, D]
+        return out.view(c.num_kv_heads, t, c.group, c.head_dim).transpose(0, 1).reshape(t, -1)
+
+    def _attend_chunk(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill-sized chunks: SDPA's fused kernel (online softmax, no [T, L] scores held)."""
+        t = q.shape[0]
+        # q: [1, Hq, T, D]; k, v: [1, Hkv, L, D], head-major copies (cheap next to the chunk)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1).contiguous()[None],
+            values.transpose(0, 1).contiguous()[None],
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1).reshape(t, -1)
+
+    def _qkv(
+        self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``; q and k rotated in one RoPE call."""
+        c = self.config
+        t = h.shape[0]
+        qkv = F.linear(h, layer.wqkv)  # qkv: [T, (Hq + 2 Hkv) D]
+        n_qk = c.num_heads + c.num_kv_heads
+        qk = self.rope.rotate(qkv[:, : n_qk * c.head_dim].view(t, n_qk, c.head_dim), cos, sin)
+        v = qkv[:, n_qk * c.head_dim :].view(t, c.num_kv_heads, c.head_dim)
+        return qk[:, : c.num_heads], qk[:, c.num_heads :], v
+
+    def _swiglu(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's hidden activation ``[T, F]`` of the normed residual (before w_down)."""
+        c = self.config
+        gate_up = F.linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up)  # [T, 2F]
+        return F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: logits ``[T, V]``."""
+        return F.linear(rms_norm(x, self.weights.norm, self.config.rms_eps), self.weights.lm_head)
+
+    def _token_ids(
+        self, tokens: torch.Tensor | Sequence[int], expected: int | None
+    ) -> torch.Tensor:
+        """Validated token ids as an int64 tensor ``[T]``."""
+        ids = torch.as_tensor(tokens, dtype=torch.int64)
+        if ids.dim() != 1 or len(ids) == 0:
+            raise DimensionMismatchError("[T] with T >= 1", tuple(ids.shape), "tokens shape")
+        if expected is not None and len(ids) != expected:
+            raise DimensionMismatchError(expected, len(ids), "tokens (one per batch position)")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgumentError("tokens", bad, f"token ids in [0, {self.config.vocab_size})")
+        return ids
+
+    @staticmethod
+    def _output_rows(outputs: Sequence[int] | None, t: int) -> torch.Tensor | None:
+        """Batch rows whose logits are wanted (None = every row)."""
+        if outputs is None:
+            return None
+        rows = torch.as_tensor(list(outputs), dtype=torch.int64)
+        if len(rows) == 0:
+            return rows  # a prefill chunk that ends nothing: no LM head at all
+        if rows.dim() != 1 or int(rows.min()) < 0 or int(rows.max()) >= t:
+            raise InvalidArgumentError("outputs", list(outputs), f"batch rows in [0, {t})")
+        return rows
+
+    def _check_shapes(self) -> None:
+        c, w = self.config, self.weights
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        expect = {
+            "embed": (w.embed, (c.vocab_size, c.hidden_size)),
+            "lm_head": (w.lm_head, (c.vocab_size, c.hidden_size)),
+            "norm": (w.norm, (c.hidden_size,)),
+        }
+        for i, layer in enumerate(w.layers):
+            expect[f"layers[{i}].wqkv"] = (layer.wqkv, (qkv_rows, c.hidden_size))
+            expect[f"layers[{i}].wo"] = (layer.wo, (c.hidden_size, c.num_heads * c.head_dim))
+            expect[f"layers[{i}].w_gate_up"] = (
+                layer.w_gate_up,
+                (2 * c.intermediate_size, c.hidden_size),
+            )
+            expect[f"layers[{i}].w_down"] = (layer.w_down, (c.hidden_size, c.intermediate_size))
+        for name, (tensor, shape) in expect.items():
+            if tuple(tensor.shape) != shape:
+                raise DimensionMismatchError(shape, tuple(tensor.shape), f"weight {name}")
+        if len(w.layers) != c.num_layers:
+            raise DimensionMismatchError(c.num_layers, len(w.layers), "number of layers")
+
+
+class _MaskState:
+    """The mask of the current layer and its additive bias, converted once per mask object
+    (a cache hands every layer of a forward the same mask)."""
+
+    def __init__(self) -> None:
+        self.mask = torch.empty(0, dtype=torch.bool)
+        self._bias: torch.Tensor | None = None
+
+    def see(self, mask: torch.Tensor) -> _MaskState:
+        if mask is not self.mask:
+            self.mask, self._bias = mask, None
+        return self
+
+    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._bias is None:
+            self._bias = additive_mask(self.mask, group, dtype)
+        return self._bias
+
+
+def _check_dtype(dtype: object) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidArgumentError("dtype", dtype, f"one of {FLOAT_DTYPES}")
+
+
+def _load_layer(gguf: GGUFFile, config: LlamaConfig, i: int, dtype: torch.dtype) -> LlamaLayer:
+    """Block ``i`` from ``blk.{i}.*``: Q/K rows un-permuted, projections concatenated."""
+    p = f"blk.{i}."
+    q = unpermute_rope_rows(gguf.tensor(p + "attn_q.weight", dtype), config.num_heads)
+    k = unpermute_rope_rows(gguf.tensor(p + "attn_k.weight", dtype), config.num_kv_heads)
+    v = gguf.tensor(p + "attn_v.weight", dtype)
+    gate = gguf.tensor(p + "ffn_gate.weight", dtype)
+    up = gguf.tensor(p + "ffn_up.weight", dtype)
+    return LlamaLayer(
+        attn_norm=gguf.tensor(p + "attn_norm.weight", dtype),
+        wqkv=torch.cat((q, k, v)),
+        wo=gguf.tensor(p + "attn_output.weight", dtype),
+        mlp_norm=gguf.tensor(p + "ffn_norm.weight", dtype),
+        w_gate_up=torch.cat((gate, up)),
+        w_down=gguf.tensor(p + "ffn_down.weight", dtype),
+    )

@@ -1,0 +1,87 @@
+"""`kvcache generate` end to end on the real SmolLM2 weights: streamed text, the stats line,
+parallel sequences, reproducible seeds, context shifting, and a clean error exit."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcache.cli import main
+
+pytestmark = pytest.mark.slow
+
+STATS = re.compile(
+    r"^\[stats\] prompt tokens: (\d+) \| prefill: [\d.]+ tok/s \| decode: [\d.]+ tok/s \| "
+    r"cache: [\d.]+ MiB \| peak RSS: \d+ MiB$"
+)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
+    code = main(["generate", *args])
+    return code, capsys.readouterr().out.rstrip("\n").split("\n")
+
+
+def test_generate_streams_text_and_ends_with_stats(capsys: pytest.CaptureFixture[str]):
+    code, lines = run_cli(
+        capsys, "--seed", "1", "--max-new-tokens", "16", "The capital of France is"
+    )
+    assert code == 0
+    match = STATS.match(lines[-1])
+    assert match, lines[-1]
+    assert int(match.group(1)) == 5
+    assert "".join(lines[:-1]).strip()  # non-empty generated text
+
+
+def test_same_seed_same_text_and_chat_parallel(capsys: pytest.CaptureFixture[str]):
+    args = ("--seed", "7", "--max-new-tokens", "12", "--temperature", "1.0", "Once upon a time")
+    _, first = run_cli(capsys, *args)
+    _, second = run_cli(capsys, *args)
+    assert first[:-1] == second[:-1]
+    code, lines = run_cli(
+        capsys, "--chat", "-n", "3", "--seed", "2", "--max-new-tokens", "8", "Name a colour."
+    )
+    assert code == 0
+    assert sum(line.startswith("--- sequence ") for line in lines) == 3
+    assert STATS.match(lines[-1])
+
+
+def test_context_shift_and_window_runs(capsys: pytest.CaptureFixture[str]):
+    code, lines = run_cli(
+        capsys,
+        "--capacity",
+        "24",
+        "--max-new-tokens",
+        "40",
+        "--temperature",
+        "0",
+        "Count: 1, 2, 3,",
+    )
+    assert code == 0 and STATS.match(lines[-1])
+    code, lines = run_cli(capsys, "--window", "16", "--max-new-tokens", "30", "--seed", "3", "Hi")
+    assert code == 0 and STATS.match(lines[-1])
+
+
+def test_errors_exit_with_message(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    code = main(["generate", "--model", str(tmp_path / "missing.gguf"), "hello"])
+    assert code == 2
+    assert "missing.gguf" in capsys.readouterr().err
+    code = main(["generate", "--temperature", "-1", "hello"])
+    assert code == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_help_is_instant_and_readable():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "generate", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    for flag in ("--chat", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--window"):
+        assert flag in out
+    assert "stats line" in out
