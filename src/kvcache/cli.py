@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvcache.commands.demo", "show the cell cache at work on a toy model (no weights)"),
     "generate": ("kvcache.commands.generate", "generate text with SmolLM2 on the cell cache"),
     "transcribe": ("kvcache.commands.transcribe", "transcribe audio with Whisper tiny.en"),
+    "serve": ("kvcache.commands.serve", "OpenAI-compatible HTTP server (continuous batching)"),
 }
 
 

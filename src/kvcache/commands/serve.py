@@ -1,0 +1,186 @@
+"""`kvcache serve`: an OpenAI-compatible HTTP server over the continuous-batching engine."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcache.engine.scheduler import Engine, EngineConfig
+    from kvcache.engine.store import BlockStore
+    from kvcache.models.llama import Llama
+    from kvcache.text.tokenizer import Tokenizer
+
+EPILOG = """\
+endpoints:
+  POST /v1/completions, POST /v1/chat/completions   (OpenAI shapes; "stream": true = SSE)
+  GET /v1/models, GET /health, GET /metrics          (Prometheus text)
+
+examples:
+  kvcache serve                                       SmolLM2 on http://127.0.0.1:8000
+  kvcache serve --port 8001 --prefix-store redis://127.0.0.1:6379/0
+                                                      a replica sharing prefix blocks via Redis
+  curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Prefix blocks are shared only between servers whose model identity matches: a digest of the
+model file (name, size, first MiB) and the dtype.
+"""
+
+IDENTITY_BYTES = 1 << 20  # the model file's head that goes into its identity
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `kvcache serve`."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("--model", default=None, metavar="FILE", help="a Llama GGUF file")
+    parser.add_argument("--name", default=None, help="served model name (default: file stem)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (8000)")
+    parser.add_argument(
+        "--max-sequences", type=int, default=8, metavar="N", help="requests running at once (8)"
+    )
+    parser.add_argument(
+        "--capacity", type=int, default=2048, metavar="T", help="context per request (2048)"
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=256, metavar="B", help="tokens per forward (256)"
+    )
+    parser.add_argument(
+        "--prefix-store",
+        default="memory",
+        metavar="SPEC",
+        help="memory | disk:PATH | redis://HOST:PORT/DB (default memory)",
+    )
+    parser.add_argument(
+        "--no-prefix-cache", action="store_true", help="compute every prompt in full"
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="server log level (info)",
+    )
+
+
+def model_identity(path: Path, dtype: str) -> str:
+    """Names the K/V a model computes: same file (name, size, first MiB) and same dtype.
+
+    Hashing the head, not the whole file, keeps start-up fast; with the size and name it
+    tells apart every model and quantization one would serve side by side.
+    """
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        digest.update(f.read(IDENTITY_BYTES))
+    digest.update(f"|{path.stat().st_size}|{path.name}".encode())
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)  # store keys use ':' as separator
+    return f"{stem}-{digest.hexdigest()[:16]}-{dtype}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the options, load the model, serve until interrupted."""
+    import torch
+
+    from kvcache.errors import KVCacheError
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        config = _engine_config(args)  # bad options fail before the weights load
+        store = None if args.no_prefix_cache else _open_store(args.prefix_store)
+        path = _model_path(args.model)
+        model, tokenizer = _load(path, getattr(torch, args.dtype))
+        _check_context(config, model)
+    except KVCacheError as exc:
+        print(f"kvcache serve: error: {exc}", file=sys.stderr)
+        return 2
+    from kvcache.engine.scheduler import Engine
+
+    identity = model_identity(path, args.dtype)
+    engine = Engine(model, tokenizer, config, model_id=identity, store=store)
+    _serve(engine, tokenizer, args.name or path.stem, args)
+    return 0
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    from kvcache.engine.scheduler import EngineConfig
+    from kvcache.errors import InvalidArgumentError
+
+    if not 0 <= args.port < 65536:
+        raise InvalidArgumentError("--port", args.port, "a port number in [0, 65535]")
+    return EngineConfig(
+        capacity=args.capacity,
+        max_sequences=args.max_sequences,
+        max_batch=args.max_batch,
+        prefix_cache=not args.no_prefix_cache,
+    )
+
+
+def _open_store(spec: str) -> BlockStore:
+    """The block store, reachable now (a Redis that does not answer fails at start-up)."""
+    from kvcache.engine.store import open_store
+    from kvcache.errors import InvalidArgumentError, KVCacheError
+
+    try:
+        return open_store(spec)
+    except KVCacheError:
+        raise
+    except Exception as e:  # redis / filesystem errors: say which store and why
+        raise InvalidArgumentError("--prefix-store", spec, f"a usable store ({e})") from e
+
+
+def _model_path(model: str | None) -> Path:
+    from kvcache.errors import InvalidArgumentError
+    from kvcache.weights.gguf import smollm2_path
+
+    path = Path(model) if model else smollm2_path()
+    if not path.is_file():
+        raise InvalidArgumentError("--model", str(path), "an existing GGUF file")
+    return path
+
+
+def _load(path: Path, dtype: torch.dtype) -> tuple[Llama, Tokenizer]:
+    """Tokenizer then weights from one read of the GGUF."""
+    from kvcache.models.llama import Llama
+    from kvcache.text.tokenizer import Tokenizer
+    from kvcache.weights.gguf import GGUFFile
+
+    with GGUFFile(path) as gguf:
+        tokenizer = Tokenizer.from_gguf(gguf)
+        gguf.release("tokenizer.")  # the parsed vocabulary, gone before the weights
+        return Llama.from_gguf(gguf, dtype=dtype), tokenizer
+
+
+def _check_context(config: EngineConfig, model: Llama) -> None:
+    from kvcache.errors import InvalidArgumentError
+
+    limit = model.config.context_length
+    if config.capacity > limit:
+        raise InvalidArgumentError("--capacity", config.capacity, f"at most {limit} (the model's)")
+
+
+def _serve(engine: Engine, tokenizer: Tokenizer, name: str, args: argparse.Namespace) -> None:
+    """Run uvicorn over the engine loop; stop the engine however the server ends."""
+    import uvicorn
+
+    from kvcache.engine.scheduler import EngineLoop
+    from kvcache.engine.server import create_app
+
+    loop = EngineLoop(engine)
+    try:
+        app = create_app(loop, tokenizer, model_name=name)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        loop.close()
+        engine.close()
