@@ -155,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 window; fp32, int8, int4, turbo4")
     parser.add_argument("--codecs", nargs="*", default=None, help=f"subset of {CODECS}")
+    parser.add_argument("--windows", type=int, default=None, help="windows of 2048 (default 4)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     codecs = args.codecs or (["fp32", "int8", "int4", "turbo4"] if args.quick else CODECS)
     if codecs[0] != "fp32":
         codecs = ["fp32", *[c for c in codecs if c != "fp32"]]
-    windows = 1 if args.quick else 4
+    windows = args.windows or (1 if args.quick else 4)
     model = Llama.from_gguf()
     tokenizer = Tokenizer.from_gguf()
     tokens = license_tokens(tokenizer, windows * WINDOW)
