@@ -38,7 +38,7 @@ def ours_step_seconds(history: int, seqs: int, repeats: int) -> tuple[float, boo
             cache.put(layer, kv, kv)
     new = torch.randn(seqs, HEADS, DIM)  # new: [S, H, D], one token per sequence
     pos = [history]
-    ptr = cache.storage.layers[0].keys.data_ptr()
+    ptr = cache.storage.layers[0].keys.data.data_ptr()
 
     def step() -> None:
         cache.start_forward(Batch([pos[0]] * seqs, list(range(seqs))))
@@ -47,7 +47,7 @@ def ours_step_seconds(history: int, seqs: int, repeats: int) -> tuple[float, boo
         pos[0] += 1
 
     t = median_seconds(step, repeats)
-    in_place = cache.storage.layers[0].keys.data_ptr() == ptr
+    in_place = cache.storage.layers[0].keys.data.data_ptr() == ptr
     cache.close()
     return t, in_place
 
