@@ -314,6 +314,8 @@ def main() -> int:
     args = ap.parse_args()
     lengths = args.lengths or ([256, 1024] if args.quick else [1024, 4096, 8192])
     args.new_tokens = args.new_tokens or (32 if args.quick else 128)
+    if args.repeats < 1 or args.new_tokens < 2:
+        ap.error("--repeats must be >= 1 and --new-tokens >= 2")
     if args.worker:
         torch.set_num_threads(args.threads)
         result = worker(args.worker, lengths[0], args.new_tokens, str(args.hf_dir), args.repeats)
