@@ -136,6 +136,21 @@ class _Slot:
     row: int | None  # batch row whose logits we need, or None
 
 
+class _Picker:
+    """Next tokens from one forward's logits: one batched argmax serves every greedy row."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits  # [rows, V]
+        self._argmax: list[int] | None = None
+
+    def pick(self, row: int, r: _Request) -> int:
+        if not r.config.sampling.greedy:
+            return sample(self.logits[row], r.config.sampling, r.rng)
+        if self._argmax is None:
+            self._argmax = self.logits.argmax(dim=-1).tolist()
+        return self._argmax[row]
+
+
 class Generator:
     """Continuous batching of many prompts over one :class:`~kvcache.CausalCache`."""
 
@@ -307,37 +322,37 @@ class Generator:
 
     def _advance(self, slots: list[_Slot], logits: torch.Tensor, events: list[TextEvent]) -> int:
         """Book the forward's tokens, fork shared prefixes, sample; returns tokens sampled."""
+        picker = _Picker(logits)
         sampled = 0
         out = 0
         for slot in slots:
             r = slot.request
             r.pos += slot.count
-            row_logits = None
+            row = -1
             if slot.row is not None:
-                row_logits = logits[out]
-                out += 1
+                row, out = out, out + 1
             if r.pending is not None:
                 r.pending = None
             else:
                 r.fed += slot.count
                 if r.children and r.fed == r.share_at:
-                    assert row_logits is not None, "the shared prefix's last row has logits"
-                    sampled += self._fork(r, row_logits, events)
+                    assert row >= 0, "the shared prefix's last row has logits"
+                    sampled += self._fork(r, picker, row, events)
                 if r.fed < len(r.prompt):
                     continue
-            assert row_logits is not None, f"request {r.id} needs logits at pos {r.pos - 1}"
-            events.append(self._accept(r, sample(row_logits, r.config.sampling, r.rng)))
+            assert row >= 0, f"request {r.id} needs logits at pos {r.pos - 1}"
+            events.append(self._accept(r, picker.pick(row, r)))
             sampled += 1
         return sampled
 
-    def _fork(self, parent: _Request, logits: torch.Tensor, events: list[TextEvent]) -> int:
+    def _fork(self, parent: _Request, picker: _Picker, row: int, events: list[TextEvent]) -> int:
         """Children take the parent's prefix cells; those whose prompt is the prefix sample now."""
         sampled = 0
         for child in parent.children:
             self.cache.copy_prefix(parent.seq, child.seq, parent.share_at)
             child.pos = child.fed = parent.share_at
             if child.fed == len(child.prompt):
-                events.append(self._accept(child, sample(logits, child.config.sampling, child.rng)))
+                events.append(self._accept(child, picker.pick(row, child)))
                 sampled += 1
         parent.children = []
         return sampled

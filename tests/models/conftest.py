@@ -57,12 +57,10 @@ def tokenizer(smollm2_file: Path) -> Tokenizer:
     return Tokenizer.from_gguf(smollm2_file)
 
 
-def _hf_dir(cache: pytest.Cache, gguf_file: Path) -> Path:
-    """A transformers checkpoint converted from the GGUF, written once per cache key."""
+def _hf_dir(folder: Path, gguf_file: Path) -> Path:
+    """A transformers checkpoint converted from the GGUF into ``folder``, unless already there."""
     import transformers
 
-    key = f"kvcache-smollm2-hf-{transformers.__version__}-{gguf_file.stat().st_size}"
-    folder = cache.mkdir(key)
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -74,11 +72,23 @@ def _hf_dir(cache: pytest.Cache, gguf_file: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_model(request: pytest.FixtureRequest, smollm2_file: Path) -> Any:
-    """transformers' LlamaForCausalLM with the same dequantized weights (float32, eval)."""
+def hf_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_file: Path
+) -> Any:
+    """transformers' LlamaForCausalLM with the same dequantized weights (float32, eval).
+
+    Converting takes ~15-40 s: it is done once and kept in pytest's cache dir (keyed by the
+    transformers version and the GGUF's size), or once per session without a cache provider.
+    """
     import transformers
 
-    assert request.config.cache is not None, "pytest's cache provider is disabled"
-    folder = _hf_dir(request.config.cache, smollm2_file)
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider
+    if cache is None:
+        folder = tmp_path_factory.mktemp("smollm2-hf")
+    else:
+        key = f"kvcache-smollm2-hf-{transformers.__version__}-{smollm2_file.stat().st_size}"
+        folder = cache.mkdir(key)
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        _hf_dir(folder, smollm2_file), dtype=torch.float32
+    )
     return model.eval()
