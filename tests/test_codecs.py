@@ -45,13 +45,31 @@ def test_int8_error_is_within_half_a_step():
 
 
 @pytest.mark.parametrize("name, group", [("int4", 32), ("int4g64", 64)])
-def test_int4_error_is_within_half_a_step_per_group(name, group):
+@pytest.mark.parametrize("role", ["key", "value"])
+def test_int4_error_is_within_half_a_step_per_group(name, group, role):
     x = outlier_rows(256)
-    err = (roundtrip(name, x) - x).abs().reshape(256, H, -1, group)
-    xg = x.reshape(256, H, -1, group)
+    err = (roundtrip(name, x, role) - x).abs().reshape(256, H, -1, group)
+    # keys are centred first: the steps are those of x minus the (fp16) mean of the rows
+    xc = x - x.mean(0).half().float() if role == "key" else x
+    xg = xc.reshape(256, H, -1, group)
     step = (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / 15
     assert (err <= step * 0.5 * 1.01 + 1e-3).all()
     assert err.mean() > 1e-3  # it really quantizes
+
+
+def test_key_centring_cuts_the_error_of_offset_channels():
+    x = outlier_rows(256)
+    x[..., 7] += 20.0  # a channel with a large common offset, as real keys have
+    key_err = (roundtrip("int4", x, "key") - x).pow(2).mean()
+    value_err = (roundtrip("int4", x, "value") - x).pow(2).mean()  # values are not centred
+    assert key_err < value_err / 3
+    later = outlier_rows(8, seed=1)  # later writes keep the first write's centre
+    buf = make_codec("int4", "key").allocate(264, H, D, torch.device("cpu"))
+    buf.write(slice(0, 256), x)
+    centre = buf.centre.value.clone()
+    buf.write(torch.arange(256, 264), later)
+    assert torch.equal(buf.centre.value, centre)
+    assert (buf.read(256, 264, torch.float32) - later).abs().max() < 2.0
 
 
 @pytest.mark.parametrize(
@@ -65,12 +83,19 @@ def test_int4_error_is_within_half_a_step_per_group(name, group):
         ("int4g64", H * D // 2 + H * 2 * 2),
     ],
 )
-def test_bytes_count_every_buffer(name, row_bytes):
-    codec = make_codec(name)
+@pytest.mark.parametrize("role", ["key", "value"])
+def test_bytes_count_every_buffer(name, row_bytes, role):
+    codec = make_codec(name, role)
     buf = codec.allocate(100, H, D, torch.device("cpu"))
     tensors = [v for v in vars(buf).values() if isinstance(v, torch.Tensor)]
+    centre = getattr(buf, "centre", None)
+    if centre is not None:
+        tensors.append(centre.value)  # the keys' fp16 centre [H, D], once per buffer
     assert buf.nbytes() == sum(t.numel() * t.element_size() for t in tensors)
-    assert buf.nbytes() == 100 * row_bytes == 100 * codec.bytes_per_row(H, D)
+    fixed = H * D * 2 if centre is not None else 0
+    assert (centre is not None) == (role == "key" and name.startswith("int4"))
+    assert buf.nbytes() == 100 * row_bytes + fixed
+    assert codec.bytes_per_row(H, D) == row_bytes + fixed  # one cell plus the centre
 
 
 def test_unknown_codec_is_a_typed_error():
@@ -213,9 +238,15 @@ def test_kivi_bytes_count_codes_meta_and_residual():
 def test_turbo_rows_round_trip_and_bytes(name, cosine, row_bytes):
     x = outlier_rows(200)
     for role in ("key", "value"):
-        got = roundtrip(name, x, role)
+        buf = make_codec(name, role).allocate(len(x), H, D, torch.device("cpu"))
+        buf.write(slice(0, len(x)), x)
+        got = buf.read(0, len(x), torch.float32)
         cos = torch.nn.functional.cosine_similarity(got.reshape(-1, D), x.reshape(-1, D))
         assert cos.mean() > cosine and cos.min() > cosine - 0.05
-        assert torch.allclose(got.norm(dim=-1), x.norm(dim=-1), rtol=2e-2)  # norm-preserving
-    buf = make_codec(name).allocate(10, H, D, torch.device("cpu"))
-    assert buf.nbytes() == 10 * H * row_bytes  # 64 * bits / 8 code bytes + a bf16 scale
+        # norm-preserving, for keys of the centred rows (centre: fp16 mean of the first write)
+        c = buf.centre.value.float() if role == "key" else torch.zeros(H, D)
+        assert torch.allclose((got - c).norm(dim=-1), (x - c).norm(dim=-1), rtol=2e-2)
+    value = make_codec(name, "value").allocate(10, H, D, torch.device("cpu"))
+    assert value.nbytes() == 10 * H * row_bytes  # 64 * bits / 8 code bytes + a bf16 scale
+    key = make_codec(name, "key").allocate(10, H, D, torch.device("cpu"))
+    assert key.nbytes() == 10 * H * row_bytes + H * D * 2  # + the fp16 centre

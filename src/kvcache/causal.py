@@ -13,8 +13,11 @@ attend to::
 Storage is preallocated per layer ([N, kv_heads, head_dim], token-major) in a codec's format
 (float, int8, int4, ...; K and V may differ); ``get`` returns views of cells [lo, hi) for a
 float codec in the compute ``dtype`` (decoded copies of just that range otherwise), never a
-concatenation, so a decode step writes only the new rows. Keys are stored after RoPE; a
-middle ``remove`` decodes the moved keys, re-rotates them and encodes them again.
+concatenation, so a decode step writes only the new rows. Keys are stored after RoPE by
+default, and a middle ``remove`` decodes the moved keys, re-rotates them and encodes them
+again. With ``key_rope="pre"`` (the default for codecs that quantize keys per channel:
+kivi, turbo) the storage un-rotates keys before encoding and rotates them back on reads, so
+a ``remove`` only changes positions.
 Bookkeeping (``cells.py``) and the attention policy (``policy.py``) hold no tensors.
 
 Every mutating call validates before it mutates: a call that raises leaves the cache as it
@@ -60,6 +63,8 @@ class _Forward:
     causal_rows: np.ndarray  # [T] bool, False = exempt from causality (set_causal)
     mask: torch.Tensor  # [T, hi - lo] bool
     reserve: bool
+    pos_t: torch.Tensor | None = None  # [T] positions (keys stored before RoPE only)
+    hist_pos: torch.Tensor | None = None  # [hi - lo] cell positions (idem)
 
 
 def _as_locs(locs: np.ndarray, device: torch.device) -> torch.Tensor | slice:
@@ -88,7 +93,11 @@ class CausalCache:
         codec: str | Codec | None = None,
         key_codec: str | Codec | None = None,
         value_codec: str | Codec | None = None,
+        key_rope: str | None = None,
     ) -> None:
+        """``key_rope``: "post" stores keys as given (rotated), "pre" un-rotates them by
+        their positions through ``shift`` before the key codec encodes them; None picks
+        "pre" when there is a ``shift`` and the key codec prefers it (``Codec.pre_rope``)."""
         self.capacity = config_int("capacity", capacity, 1)
         self.max_sequences = config_int("max_sequences", max_sequences, 1)
         mb = optional_config_int("max_batch", max_batch, 1)
@@ -113,7 +122,21 @@ class CausalCache:
         native = FloatCodec(dtype)
         self.key_codec = make_codec(key_codec or codec or native, "key")
         self.value_codec = make_codec(value_codec or codec or native, "value")
-        self.storage = Storage(self.num_cells, dtype, self.device, self.key_codec, self.value_codec)
+        if key_rope not in (None, "pre", "post"):
+            raise InvalidConfigError("key_rope", key_rope, '"pre", "post" or None')
+        if key_rope == "pre" and shift is None:
+            raise InvalidConfigError("key_rope", key_rope, '"post" without a shift function')
+        if key_rope is None:
+            key_rope = "pre" if shift is not None and self.key_codec.pre_rope else "post"
+        self.key_rope = key_rope
+        self.storage = Storage(
+            self.num_cells,
+            dtype,
+            self.device,
+            self.key_codec,
+            self.value_codec,
+            rope=shift if key_rope == "pre" else None,
+        )
         self._fwd: _Forward | None = None
         self._closed = False
 
@@ -259,6 +282,9 @@ class CausalCache:
             reserve,
         )
         fwd.mask = self._mask(fwd)
+        if self.storage.rope is not None:
+            fwd.pos_t = torch.from_numpy(positions).to(self.device)
+            fwd.hist_pos = torch.from_numpy(self.cells.pos[lo:hi].copy()).to(self.device)
         return fwd
 
     def _mask(self, fwd: _Forward) -> torch.Tensor:
@@ -292,7 +318,7 @@ class CausalCache:
         if fwd.reserve:
             self.storage.layer(layer, key, value)  # allocate only: reserve computes nothing
         else:
-            self.storage.write(layer, fwd.locs, key, value)
+            self.storage.write(layer, fwd.locs, key, value, fwd.pos_t)
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of the history range: keys [L, H, Dk], values [L, H, Dv], mask [T, L]."""
@@ -300,7 +326,7 @@ class CausalCache:
         layer = int_arg("layer", layer)
         if layer not in self.storage.layers:
             raise CallOrderError(f"layer {layer} has no storage yet: put(layer, ...) first")
-        k, v = self.storage.view(layer, fwd.lo, fwd.hi)
+        k, v = self.storage.view(layer, fwd.lo, fwd.hi, fwd.hist_pos)
         return k, v, fwd.mask
 
     def update(
@@ -337,7 +363,7 @@ class CausalCache:
         """Drop ``seq``'s positions [begin, end); later positions move down by end - begin.
 
         Moved keys are re-rotated through ``shift`` (per layer, in chunks of at most
-        ``max_batch`` cells). Raises NotSupportedError, changing nothing, when tokens must
+        ``max_batch`` cells), or, stored before RoPE, keep their codes. Raises NotSupportedError, changing nothing, when tokens must
         move and there is no ``shift`` or a moving cell is shared with another sequence.
         ``end=None`` (to the end) never fails.
         """
@@ -375,6 +401,8 @@ class CausalCache:
                 "a shift function (RoPE re-rotation); pass shift= to CausalCache"
             )
         out: dict[int, torch.Tensor] = {}
+        if self.storage.rope is not None:
+            return out  # stored un-rotated: the new positions are all that changes
         for layer, st in self.storage.layers.items():
             parts = []
             for i in range(0, len(moved), self.max_batch):
@@ -398,6 +426,21 @@ class CausalCache:
         return max(0, pos - window) >= int(stored.min()) and pos <= int(stored.max()) + 1
 
     # ---- introspection ---------------------------------------------------------------
+    def read_cells(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded copies of the K/V in ``cells`` (LongTensor) of ``layer``, keys rotated for
+        the cells' positions as the model wrote them: [n, H, Dk], [n, H, Dv] in ``dtype``."""
+        self._check_open()
+        layer = int_arg("layer", layer)
+        if layer not in self.storage.layers:
+            raise InvalidArgumentError("layer", layer, f"one of {sorted(self.storage.layers)}")
+        cells = cells.to(torch.int64)
+        if len(cells) and (int(cells.min()) < 0 or int(cells.max()) >= self.num_cells):
+            raise InvalidArgumentError("cells", cells.tolist()[:8], f"cell ids < {self.num_cells}")
+        pos = None
+        if self.storage.rope is not None:
+            pos = torch.from_numpy(self.cells.pos[cells.cpu().numpy()]).to(self.device)
+        return self.storage.gather(layer, cells.to(self.device), pos)
+
     def positions(self, seq: int) -> list[int]:
         """Sorted positions stored for ``seq``."""
         return self.cells.positions(int_arg("seq", seq))

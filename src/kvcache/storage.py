@@ -8,6 +8,13 @@ Layout (token-major, one row per cell, shared cell index across layers)::
 A layer's buffers are allocated on its first write (K and V head dims may differ), zero
 filled, and never reallocated. Reads hand back a cell range only: a view for a float codec
 in the compute dtype, a decoded copy of that range (never of the whole cache) otherwise.
+
+Keys can be stored *before* RoPE (``rope=`` a shift function): a write un-rotates each key
+by its position (``rope(layer, k, -pos)``) before the codec sees it and a read rotates the
+decoded keys back by their cells' positions. Quantizers that work per channel see each
+channel's own distribution then, instead of pairs of channels mixed at a speed that depends
+on the position (KVQuant, Hooper et al. 2024, section 3.2). What callers write and read is
+always the rotated key.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 from kvcache.codecs import Codec
 from kvcache.codecs.base import Locs
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
+from kvcache.protocol import ShiftFn
 
 
 class LayerStorage:
@@ -51,15 +59,27 @@ class LayerStorage:
 
 
 class Storage:
-    """The K/V buffers of every layer of one cell cache, read back as ``dtype``."""
+    """The K/V buffers of every layer of one cell cache, read back as ``dtype``.
+
+    With ``rope`` (a :data:`~kvcache.protocol.ShiftFn`) keys are stored un-rotated: every
+    write, read and gather then needs the positions of its rows.
+    """
 
     def __init__(
-        self, n: int, dtype: torch.dtype, device: torch.device, key_codec: Codec, value_codec: Codec
+        self,
+        n: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        key_codec: Codec,
+        value_codec: Codec,
+        rope: ShiftFn | None = None,
     ) -> None:
         self.n = n
         self.dtype = dtype
         self.device = device
         self.codecs = (key_codec, value_codec)
+        self.rope = rope
+        self._negated: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions, -positions)
         self.layers: dict[int, LayerStorage] = {}
 
     def layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> LayerStorage:
@@ -71,17 +91,57 @@ class Storage:
         st.check(key, value)
         return st
 
-    def write(self, layer: int, locs: Locs, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Encode token rows into cells ``locs`` (a slice when the cells are contiguous)."""
+    def write(
+        self,
+        layer: int,
+        locs: Locs,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Encode token rows into cells ``locs`` (a slice when the cells are contiguous);
+        ``positions`` [T] of the rows are needed when keys are stored before RoPE."""
         st = self.layer(layer, key, value)
-        st.keys.write(locs, key)
+        st.keys.write(locs, self._unrotate(layer, key, positions))
         st.values.write(locs, value)
 
-    def view(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def view(
+        self, layer: int, lo: int, hi: int, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cells [lo, hi) of a layer as ``dtype``: keys [L, H, Dk], values [L, H, Dv]
-        (views for a float codec of that dtype, else decoded copies of just that range)."""
+        (views for a float codec of that dtype, else decoded copies of just that range);
+        ``positions`` [L] of those cells are needed when keys are stored before RoPE."""
         st = self.layers[layer]
-        return st.keys.read(lo, hi, self.dtype), st.values.read(lo, hi, self.dtype)
+        keys = self._rotate(layer, st.keys.read(lo, hi, self.dtype), positions)
+        return keys, st.values.read(lo, hi, self.dtype)
+
+    def gather(
+        self, layer: int, cells: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K/V rows of ``cells`` (rotated keys), as ``dtype``."""
+        st = self.layers[layer]
+        keys = self._rotate(layer, st.keys.gather(cells, self.dtype), positions)
+        return keys, st.values.gather(cells, self.dtype)
+
+    def _unrotate(
+        self, layer: int, key: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.rope is None:
+            return key
+        if positions is None:
+            raise InvalidArgumentError("positions", None, "row positions (keys stored pre-RoPE)")
+        if self._negated is None or self._negated[0] is not positions:
+            self._negated = (positions, -positions)  # one tensor for every layer's write
+        return self.rope(layer, key, self._negated[1])
+
+    def _rotate(
+        self, layer: int, keys: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.rope is None:
+            return keys
+        if positions is None:
+            raise InvalidArgumentError("positions", None, "row positions (keys stored pre-RoPE)")
+        return self.rope(layer, keys, positions).to(self.dtype)
 
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.layers.values())

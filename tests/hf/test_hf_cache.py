@@ -338,13 +338,16 @@ def test_reorder_shares_cells_instead_of_copying():
 
 
 # ---- the state machine ---------------------------------------------------------------
-def _roundtrip(codec: str | None, role: str, x: torch.Tensor) -> torch.Tensor:
-    """What a codec gives back for rows x [B, H, L, D] (each row stored on its own)."""
+def _roundtrip(codec: str | None, role: str, x: torch.Tensor, like: Any = None) -> torch.Tensor:
+    """What a codec gives back for rows x [B, H, L, D] (each row stored on its own), with
+    the key centre of buffer ``like`` (fixed by that buffer's first write)."""
     if codec in (None, "fp32"):
         return x
     b, h, n, d = x.shape
     rows = x.transpose(1, 2).reshape(b * n, h, d)
     buf = make_codec(codec, role).allocate(b * n, h, d, torch.device("cpu"))
+    if getattr(like, "centre", None) is not None:
+        buf.centre.value, buf.centre.fixed = like.centre.value, True
     buf.write(slice(0, b * n), rows)
     return buf.read(0, b * n, torch.float32).view(b, n, h, d).transpose(1, 2)
 
@@ -393,8 +396,9 @@ class CacheMachine(RuleBasedStateMachine):
             k, v = _kv(self.rows, 2, tokens, self.HEAD_DIM, self.seed)
             ok, ov = self.ours.update(k, v, layer)
             rk, rv = self.ref.update(k, v, layer)
-            assert torch.equal(ok, _roundtrip(self.CODEC, "key", rk))
-            assert torch.equal(ov, _roundtrip(self.CODEC, "value", rv))
+            st = self.ours.caches[self.ours._group_of[layer]].storage.layers[layer]
+            assert torch.equal(ok, _roundtrip(self.CODEC, "key", rk, st.keys))
+            assert torch.equal(ov, _roundtrip(self.CODEC, "value", rv, st.values))
         self.length += tokens
 
     # DynamicCache ignores row operations while empty (then fails): rows change with tokens

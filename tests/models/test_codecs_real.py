@@ -62,3 +62,19 @@ def test_round_trip_on_real_kv(
             enc.write(slice(0, 256), x)
             err = (enc.read(0, 256, torch.float32) - x).norm() / x.norm()
             assert err < max_rel_err, (layer, role, float(err))
+
+
+def test_pre_rope_storage_equals_post_through_a_context_shift(smollm2: Llama, tokenizer: Tokenizer):
+    """Keys stored un-rotated (real RoPE): same logits before and after a middle remove."""
+    prompt = tokenizer.encode("A cache keeps what was computed so it is not computed again. " * 3)
+    n = len(prompt)
+
+    def run(key_rope: str) -> list[torch.Tensor]:
+        cache = CausalCache(n + 4, shift=smollm2.rope.shift, key_rope=key_rope)
+        first = smollm2.forward(prompt, Batch.single(0, 0, n), cache, outputs=[n - 1])
+        cache.remove(0, 2, 10)  # the later keys move down by 8 positions
+        nxt = smollm2.forward([int(first[0].argmax())], Batch.single(0, n - 8, 1), cache)
+        return [first, nxt]
+
+    for a, b in zip(run("post"), run("pre"), strict=True):
+        assert torch.allclose(a, b, atol=2e-4, rtol=0), float((a - b).abs().max())

@@ -5,8 +5,14 @@ fp32      float32                                              32
 fp16      float16                                              16
 bf16      bfloat16                                             16
 int8      int8 + fp16 scale per (token, head)                  8.25
-int4      4-bit asymmetric, fp16 scale + min per 32 channels   5
-int4g64   the same with groups of 64 channels                  4.5
+int4      4-bit asymmetric, fp16 scale + min per 32 channels   5     (keys centred)
+int4g64   the same with groups of 64 channels                  4.5   (keys centred)
+kivi4/2   keys per channel over blocks of 64 tokens, values per    4.5 / 2.5 (+ fp16 for
+          token; the newest 128 tokens in fp16                     the newest 128 tokens)
+turbo4/3  rotation + Lloyd-Max codebook per (token, head)          4.25 / 3.25 (keys centred)
+
+kivi and turbo keys are quantized before RoPE in a cell cache that has a shift function
+(``Codec.pre_rope``; see ``kvcache.storage``).
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ CODECS: dict[str, Callable[[bool], Codec]] = {
     "fp16": lambda key: FloatCodec(torch.float16),
     "bf16": lambda key: FloatCodec(torch.bfloat16),
     "int8": lambda key: Int8Codec(),
-    "int4": lambda key: Int4Codec(),
-    "int4g64": lambda key: Int4Codec(group=64),
+    "int4": lambda key: Int4Codec(centre=key),
+    "int4g64": lambda key: Int4Codec(group=64, centre=key),
     "kivi4": lambda key: KiviCodec(4, per_channel=key),
     "kivi2": lambda key: KiviCodec(2, per_channel=key),
     "turbo4": lambda key: TurboCodec(4, keys=key),

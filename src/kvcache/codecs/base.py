@@ -36,9 +36,14 @@ class Buffer(ABC):
 
 
 class Codec(ABC):
-    """A storage format for K or V rows; ``name`` is its registry key."""
+    """A storage format for K or V rows; ``name`` is its registry key.
+
+    ``pre_rope``: as a key codec, this format quantizes keys better before RoPE (a cell
+    cache with a shift function then stores them un-rotated, see ``storage.py``).
+    """
 
     name: str
+    pre_rope: bool = False
 
     @abstractmethod
     def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
@@ -51,3 +56,34 @@ class Codec(ABC):
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Centre:
+    """A per-(head, channel) offset subtracted before encoding keys and added back after
+    decoding: the mean of the buffer's first written rows, fixed from then on (fp16 [H, D],
+    counted in ``nbytes``).
+
+    Keys of a head share a large common component (Llama's "massive" key channels); a
+    quantizer that spends its range on it has little left for what tells tokens apart.
+    Any fixed offset round-trips exactly, so cells written before or after, freed or
+    shared, all decode with the same one; it only has to be a typical key.
+    """
+
+    def __init__(self, heads: int, dim: int, device: torch.device) -> None:
+        self.value = torch.zeros((heads, dim), dtype=torch.float16, device=device)
+        self.fixed = False
+
+    def remove(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, H, D] minus the centre, as float32 (the first call fixes the centre)."""
+        x = x.float()
+        if not self.fixed and x.shape[0] > 0:
+            self.value = x.mean(dim=0).to(torch.float16)
+            self.fixed = True
+        return x - self.value.float()
+
+    def restore(self, x: torch.Tensor) -> torch.Tensor:
+        """Add the centre back to decoded rows ``x`` [L, H, D] (in place)."""
+        return x.add_(self.value.to(x.dtype))
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.value)

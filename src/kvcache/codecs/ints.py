@@ -4,14 +4,16 @@ int8 layout: codes int8 [N, H, D], scale fp16 [N, H, 1]; x ~= codes * scale, sym
 (absmax / 127).
 int4 layout: codes packed two per byte uint8 [N, H, D/2] (low nibble = even index), and per
 group of ``group`` channels an fp16 scale and minimum [N, H, D/group]; x ~= q * scale + min
-with q in 0..15 (asymmetric). With group 32 that is 4 + 32/32 = 5 bits per value.
+with q in 0..15 (asymmetric). With group 32 that is 4 + 32/32 = 5 bits per value. As a key
+codec int4 first subtracts a per-channel :class:`~kvcache.codecs.base.Centre` (measured on
+SmolLM2, 1 window: ΔPPL from keys alone +12.7 % without, +3.0 % with).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcache.codecs.base import Buffer, Codec, Locs, tensor_bytes
+from kvcache.codecs.base import Buffer, Centre, Codec, Locs, tensor_bytes
 from kvcache.codecs.pack import pack, unpack
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
 
@@ -60,9 +62,12 @@ class Int8Codec(Codec):
 
 
 class Int4Buffer(Buffer):
-    def __init__(self, n: int, heads: int, dim: int, group: int, device: torch.device) -> None:
+    def __init__(
+        self, n: int, heads: int, dim: int, group: int, centre: bool, device: torch.device
+    ) -> None:
         if dim % group or dim % 2:
             raise DimensionMismatchError(f"a multiple of {group} (and of 2)", dim, "int4 head_dim")
+        self.centre = Centre(heads, dim, device) if centre else None
         self.group = group
         self.dim = dim
         g = dim // group
@@ -72,7 +77,8 @@ class Int4Buffer(Buffer):
 
     def write(self, locs: Locs, x: torch.Tensor) -> None:
         t, h, _ = x.shape
-        xg = x.float().reshape(t, h, -1, self.group)  # [T, H, D/G, G]
+        x = self.centre.remove(x) if self.centre is not None else x.float()
+        xg = x.reshape(t, h, -1, self.group)  # [T, H, D/G, G]
         low = xg.amin(dim=-1).to(META)
         scale = ((xg.amax(dim=-1) - low.float()) / 15.0).to(META)
         safe = scale.float().clamp_min(torch.finfo(META).tiny)
@@ -87,7 +93,8 @@ class Int4Buffer(Buffer):
         n, h, _ = codes.shape
         q = unpack(codes, 4).to(dtype).reshape(n, h, -1, self.group)  # [L, H, D/G, G]
         x = torch.addcmul(low.to(dtype)[..., None], q, scale.to(dtype)[..., None])
-        return x.reshape(n, h, self.dim)
+        x = x.reshape(n, h, self.dim)
+        return self.centre.restore(x) if self.centre is not None else x
 
     def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         return self._decode(self.codes[lo:hi], self.scale[lo:hi], self.low[lo:hi], dtype)
@@ -96,17 +103,20 @@ class Int4Buffer(Buffer):
         return self._decode(self.codes[cells], self.scale[cells], self.low[cells], dtype)
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.codes, self.scale, self.low)
+        extra = self.centre.nbytes() if self.centre is not None else 0
+        return tensor_bytes(self.codes, self.scale, self.low) + extra
 
 
 class Int4Codec(Codec):
-    """4-bit asymmetric codes, an fp16 scale and minimum per group of channels."""
+    """4-bit asymmetric codes, an fp16 scale and minimum per group of channels; ``centre``
+    subtracts a per-channel centre first (keys)."""
 
-    def __init__(self, group: int = 32) -> None:
+    def __init__(self, group: int = 32, centre: bool = False) -> None:
         if group < 2 or group % 2:
             raise InvalidConfigError("group", group, "an even int >= 2")
         self.group = group
+        self.centre = centre
         self.name = "int4" if group == 32 else f"int4g{group}"
 
     def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
-        return Int4Buffer(n, heads, dim, self.group, device)
+        return Int4Buffer(n, heads, dim, self.group, self.centre, device)

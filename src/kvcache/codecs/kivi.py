@@ -157,6 +157,7 @@ class KiviCodec(Codec):
         self.bits, self.per_channel, self.group = bits, per_channel, group
         self.residual, self.value_group = residual, value_group
         self.name = f"kivi{bits}"
+        self.pre_rope = per_channel  # keys: per-channel ranges are stable before RoPE
 
     def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
         return KiviBuffer(n, heads, dim, self, device)

@@ -434,13 +434,9 @@ class Engine:
         layers = sorted(self.cache.storage.layers)
         for i in todo:
             idx = cells[i * b : (i + 1) * b]
-            keys = [
-                self.cache.storage.layers[lay].keys.gather(idx, self.model.dtype) for lay in layers
-            ]
-            vals = [
-                self.cache.storage.layers[lay].values.gather(idx, self.model.dtype)
-                for lay in layers
-            ]
+            kv = [self.cache.read_cells(lay, idx) for lay in layers]
+            keys = [k.to(self.model.dtype) for k, _ in kv]
+            vals = [v.to(self.model.dtype) for _, v in kv]
             self.store.put(
                 self.identity.key(hashes[i]), encode_block(self.identity, hashes[i], keys, vals)
             )

@@ -1,0 +1,75 @@
+"""Keys stored before RoPE (``key_rope="pre"``): what callers see is unchanged, what is stored
+is the un-rotated key, and a middle remove only moves positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import Batch, CausalCache
+from kvcache.errors import InvalidArgumentError, InvalidConfigError
+from test_codecs import outlier_rows, rope_like, scenario
+
+
+def test_pre_rope_fp32_gives_the_same_keys_and_masks_as_post():
+    post = scenario(CausalCache(32, max_sequences=2, shift=rope_like, key_rope="post"))
+    pre_cache = CausalCache(32, max_sequences=2, shift=rope_like, key_rope="pre")
+    pre = scenario(pre_cache)
+    assert pre_cache.key_rope == "pre"
+    for (mask_a, k_a), (mask_b, k_b) in zip(post, pre, strict=True):
+        assert mask_a == mask_b
+        visible = [r != "x" for r in mask_a[-1].split()]
+        assert torch.allclose(k_a[visible], k_b[visible], atol=1e-5)
+
+
+@pytest.mark.parametrize("name, tol", [("kivi4", 0.6), ("turbo4", 1.5), ("int4", 0.6)])
+def test_quantized_pre_rope_keeps_float_semantics(name, tol):
+    ref = scenario(CausalCache(32, max_sequences=2, shift=rope_like))
+    got = scenario(CausalCache(32, max_sequences=2, shift=rope_like, codec=name, key_rope="pre"))
+    for (mask_r, k_r), (mask_g, k_g) in zip(ref, got, strict=True):
+        assert mask_r == mask_g
+        visible = [r != "x" for r in mask_r[-1].split()]
+        assert (k_r[visible] - k_g[visible]).abs().max() < tol
+
+
+def test_storage_holds_unrotated_keys_and_remove_only_moves_positions():
+    cache = CausalCache(16, shift=rope_like, key_rope="pre")
+    x = outlier_rows(6)
+    cache.start_forward(Batch.single(0, 0, 6))
+    cache.update(0, x, x)
+    raw = cache.storage.layers[0].keys.read(0, 6, torch.float32)
+    assert torch.allclose(raw, rope_like(0, x, -torch.arange(6)), atol=1e-5)
+    cache.remove(0, 1, 3)  # positions 3..5 move to 1..3
+    assert torch.equal(cache.storage.layers[0].keys.read(0, 6, torch.float32), raw)
+    assert cache.positions(0) == [0, 1, 2, 3]
+    cells = torch.tensor([0, 3, 4, 5])
+    keys, values = cache.read_cells(0, cells)
+    # the moved keys read back rotated for their new positions, as a post-RoPE shift gives
+    expected = rope_like(0, x[[0, 3, 4, 5]], torch.tensor([0, -2, -2, -2]))
+    assert torch.allclose(keys, expected, atol=1e-5)
+    assert torch.equal(values, x[[0, 3, 4, 5]])
+
+
+def test_read_cells_matches_get_and_checks_its_input():
+    cache = CausalCache(16, shift=rope_like, codec="kivi4")
+    x = outlier_rows(5)
+    cache.start_forward(Batch.single(0, 0, 5))
+    keys, values, _ = cache.update(0, x, x)
+    got_k, got_v = cache.read_cells(0, torch.tensor([4, 1]))
+    assert torch.equal(got_k, keys[[4, 1]]) and torch.equal(got_v, values[[4, 1]])
+    with pytest.raises(InvalidArgumentError, match="cells"):
+        cache.read_cells(0, torch.tensor([16]))
+    with pytest.raises(InvalidArgumentError, match="layer"):
+        cache.read_cells(3, torch.tensor([0]))
+
+
+def test_key_rope_choice_and_errors():
+    assert CausalCache(8, shift=rope_like, codec="kivi4").key_rope == "pre"
+    assert CausalCache(8, shift=rope_like, codec="turbo4").key_rope == "pre"
+    assert CausalCache(8, shift=rope_like, codec="int4").key_rope == "post"
+    assert CausalCache(8, codec="kivi4").key_rope == "post"  # no shift: cannot un-rotate
+    assert CausalCache(8, shift=rope_like, codec="kivi4", key_rope="post").key_rope == "post"
+    with pytest.raises(InvalidConfigError, match="key_rope"):
+        CausalCache(8, codec="kivi4", key_rope="pre")
+    with pytest.raises(InvalidConfigError, match="key_rope"):
+        CausalCache(8, shift=rope_like, key_rope="sideways")
