@@ -85,7 +85,7 @@ def test_key_centring_cuts_the_error_of_offset_channels():
 )
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_bytes_count_every_buffer(name, row_bytes, role):
-    codec = make_codec(name, role)
+    codec = make_codec(f"{name}:recent=0" if name.startswith("int4") else name, role)
     buf = codec.allocate(100, H, D, torch.device("cpu"))
     tensors = [v for v in vars(buf).values() if isinstance(v, torch.Tensor)]
     centre = getattr(buf, "centre", None)
@@ -238,7 +238,7 @@ def test_kivi_bytes_count_codes_meta_and_residual():
 def test_turbo_rows_round_trip_and_bytes(name, cosine, row_bytes):
     x = outlier_rows(200)
     for role in ("key", "value"):
-        buf = make_codec(name, role).allocate(len(x), H, D, torch.device("cpu"))
+        buf = make_codec(f"{name}:recent=0", role).allocate(len(x), H, D, torch.device("cpu"))
         buf.write(slice(0, len(x)), x)
         got = buf.read(0, len(x), torch.float32)
         cos = torch.nn.functional.cosine_similarity(got.reshape(-1, D), x.reshape(-1, D))
@@ -246,7 +246,38 @@ def test_turbo_rows_round_trip_and_bytes(name, cosine, row_bytes):
         # norm-preserving, for keys of the centred rows (centre: fp16 mean of the first write)
         c = buf.centre.value.float() if role == "key" else torch.zeros(H, D)
         assert torch.allclose((got - c).norm(dim=-1), (x - c).norm(dim=-1), rtol=2e-2)
-    value = make_codec(name, "value").allocate(10, H, D, torch.device("cpu"))
+    value = make_codec(f"{name}:recent=0", "value").allocate(10, H, D, torch.device("cpu"))
     assert value.nbytes() == 10 * H * row_bytes  # 64 * bits / 8 code bytes + a bf16 scale
-    key = make_codec(name, "key").allocate(10, H, D, torch.device("cpu"))
+    key = make_codec(f"{name}:recent=0", "key").allocate(10, H, D, torch.device("cpu"))
     assert key.nbytes() == 10 * H * row_bytes + H * D * 2  # + the fp16 centre
+
+
+@pytest.mark.parametrize("name", ["int4", "turbo4"])
+def test_newest_rows_read_back_in_fp16(name):
+    x = outlier_rows(300)
+    buf = make_codec(name, "value").allocate(300, H, D, torch.device("cpu"))
+    for i in range(300):  # one row per write, as decoding does
+        buf.write(torch.tensor([i]), x[i : i + 1])
+    got = buf.read(0, 300, torch.float32)
+    assert torch.equal(got[172:], x[172:].half().float())  # the newest 128 rows
+    assert (got[:172] - x[:172]).abs().max() > 1e-2  # the older ones are quantized
+    part = buf.read(150, 200, torch.float32)  # a range across the window's edge
+    assert torch.equal(part, got[150:200])
+    cells = torch.tensor([299, 3, 171, 172])
+    assert torch.equal(buf.gather(cells, torch.float32), got[cells])
+    buf.write(slice(3, 4), x[3:4])  # a rewritten cell becomes the newest; 172 drops out
+    again = buf.read(0, 300, torch.float32)
+    assert torch.equal(again[3], x[3].half().float())
+    assert not torch.equal(again[172], x[172].half().float())
+    assert torch.equal(again[173:], got[173:])
+
+
+def test_recent_window_bytes_and_options():
+    plain = make_codec("int4:recent=0", "value").allocate(1000, H, D, torch.device("cpu"))
+    windowed = make_codec("int4", "value").allocate(1000, H, D, torch.device("cpu"))
+    assert windowed.nbytes() == plain.nbytes() + 128 * H * D * 2 + 128 * 8  # rows + cell ids
+    assert make_codec("int4:recent=16", "value").name == "int4:recent=16"
+    assert make_codec("kivi4:residual=256", "key").residual == 256
+    for bad in ("int4:recent=x", "int4:window=3", "fp32:recent=1", "int4:recent=-1"):
+        with pytest.raises(InvalidConfigError):
+            make_codec(bad)

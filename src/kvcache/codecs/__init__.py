@@ -7,9 +7,11 @@ bf16      bfloat16                                             16
 int8      int8 + fp16 scale per (token, head)                  8.25
 int4      4-bit asymmetric, fp16 scale + min per 32 channels   5     (keys centred)
 int4g64   the same with groups of 64 channels                  4.5   (keys centred)
-kivi4/2   keys per channel over blocks of 64 tokens, values per    4.5 / 2.5 (+ fp16 for
-          token; the newest 128 tokens in fp16                     the newest 128 tokens)
-turbo4/3  rotation + Lloyd-Max codebook per (token, head)          4.25 / 3.25 (keys centred)
+kivi4/2   keys per channel (blocks of 64 tokens), values per token  4.5 / 2.5
+turbo4/3  rotation + Lloyd-Max codebook per (token, head)      4.25 / 3.25 (keys centred)
+
+int4, turbo and kivi also keep the newest 128 rows in fp16 (a fixed 128 * H * D * 2 bytes
+per buffer; ``"int4:recent=0"`` turns it off, ``"kivi4:residual=256"`` resizes kivi's).
 
 kivi and turbo keys are quantized before RoPE in a cell cache that has a shift function
 (``Codec.pre_rope``; see ``kvcache.storage``).
@@ -17,6 +19,7 @@ kivi and turbo keys are quantized before RoPE in a cell cache that has a shift f
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -25,35 +28,56 @@ from kvcache.codecs.base import Buffer, Codec
 from kvcache.codecs.floats import FloatCodec
 from kvcache.codecs.ints import Int4Codec, Int8Codec
 from kvcache.codecs.kivi import KiviCodec
+from kvcache.codecs.recent import RecentCodec
 from kvcache.codecs.turbo_codec import TurboCodec
 from kvcache.errors import InvalidConfigError
 
-# name -> factory(is_key)
-CODECS: dict[str, Callable[[bool], Codec]] = {
+RECENT = 128  # newest rows kept in fp16 by int4 / turbo (see recent.py)
+
+
+def _recent(inner: Codec, recent: int = RECENT) -> Codec:
+    return RecentCodec(inner, recent)
+
+
+# name -> factory(is_key, **options); options come from "name:option=int,..."
+CODECS: dict[str, Callable[..., Codec]] = {
     "fp32": lambda key: FloatCodec(torch.float32),
     "fp16": lambda key: FloatCodec(torch.float16),
     "bf16": lambda key: FloatCodec(torch.bfloat16),
     "int8": lambda key: Int8Codec(),
-    "int4": lambda key: Int4Codec(centre=key),
-    "int4g64": lambda key: Int4Codec(group=64, centre=key),
-    "kivi4": lambda key: KiviCodec(4, per_channel=key),
-    "kivi2": lambda key: KiviCodec(2, per_channel=key),
-    "turbo4": lambda key: TurboCodec(4, keys=key),
-    "turbo3": lambda key: TurboCodec(3, keys=key),
+    "int4": lambda key, recent=RECENT: _recent(Int4Codec(centre=key), recent),
+    "int4g64": lambda key, recent=RECENT: _recent(Int4Codec(group=64, centre=key), recent),
+    "kivi4": lambda key, residual=128: KiviCodec(4, per_channel=key, residual=residual),
+    "kivi2": lambda key, residual=128: KiviCodec(2, per_channel=key, residual=residual),
+    "turbo4": lambda key, recent=RECENT: _recent(TurboCodec(4, keys=key), recent),
+    "turbo3": lambda key, recent=RECENT: _recent(TurboCodec(3, keys=key), recent),
 }
 
 
 def make_codec(spec: str | Codec, role: str = "key") -> Codec:
     """A codec from its registry name for ``role`` "key" or "value" (a Codec is returned
-    as is)."""
+    as is). Integer options follow a colon: ``"int4:recent=0"``, ``"kivi4:residual=256"``."""
     if isinstance(spec, Codec):
         return spec
-    factory = CODECS.get(spec) if isinstance(spec, str) else None
+    name, _, opts = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    factory = CODECS.get(name)
     if factory is None:
         raise InvalidConfigError(
             f"{role}_codec", spec, f"one of {sorted(CODECS)} or a Codec instance"
         )
-    return factory(role == "key")
+    kwargs: dict[str, int] = {}
+    for opt in filter(None, opts.split(",")):
+        key, _, value = opt.partition("=")
+        if not value.lstrip("-").isdigit():
+            raise InvalidConfigError(f"{role}_codec", spec, "options as name:option=int,...")
+        kwargs[key.strip()] = int(value)
+    allowed = list(inspect.signature(factory).parameters)[1:]  # after is_key
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise InvalidConfigError(
+            f"{role}_codec", spec, f"options of {name}: {list(allowed) or 'none'}"
+        )
+    return factory(role == "key", **kwargs)
 
 
 __all__ = [
@@ -64,5 +88,6 @@ __all__ = [
     "Int4Codec",
     "Int8Codec",
     "KiviCodec",
+    "RecentCodec",
     "make_codec",
 ]
