@@ -164,7 +164,9 @@ class Generator:
         max_batch: int = 512,
         window: int | None = None,
         keep: int | None = None,
+        codec: str | None = None,
     ) -> None:
+        """``codec``: how the cache stores K/V (``kvcache.codecs`` spec; None: the dtype)."""
         self.model = model
         self.tokenizer = tokenizer
         self.capacity = config_int("capacity", capacity, 2)
@@ -174,7 +176,11 @@ class Generator:
         if self.keep >= self.capacity // 2:
             raise InvalidArgumentError("keep", keep, f"an int < capacity // 2 = {capacity // 2}")
         self.cache = model.new_cache(
-            self.capacity, max_sequences=max_sequences, max_batch=self.max_batch, window=window
+            self.capacity,
+            max_sequences=max_sequences,
+            max_batch=self.max_batch,
+            window=window,
+            codec=codec,
         )
         self.window = window
         self.stats = GenerationStats()

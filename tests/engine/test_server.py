@@ -573,6 +573,7 @@ def test_model_identity_names_file_content_and_dtype(tmp_path):
         (["--max-sequences", "0"], "max_sequences"),
         (["--port", "70000"], "--port"),
         (["--model", "/nonexistent.gguf"], "--model"),
+        (["--kv-codec", "int3"], "codec"),
     ],
 )
 def test_serve_rejects_bad_options_before_loading_weights(capsys, args, message):

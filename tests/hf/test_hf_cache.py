@@ -347,7 +347,7 @@ def _roundtrip(codec: str | None, role: str, x: torch.Tensor, like: Any = None) 
     rows = x.transpose(1, 2).reshape(b * n, h, d)
     buf = make_codec(codec, role).allocate(b * n, h, d, torch.device("cpu"))
     if getattr(like, "centre", None) is not None:
-        buf.centre.value, buf.centre.fixed = like.centre.value, True
+        buf.centre.fix(like.centre.value)
     buf.write(slice(0, b * n), rows)
     return buf.read(0, b * n, torch.float32).view(b, n, h, d).transpose(1, 2)
 

@@ -85,3 +85,20 @@ def test_help_is_instant_and_readable():
     for flag in ("--chat", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--window"):
         assert flag in out
     assert "stats line" in out
+
+
+def test_kv_codec_option(capsys: pytest.CaptureFixture[str]):
+    args = ("--temperature", "0", "--max-new-tokens", "12", "The capital of France is")
+    code, plain = run_cli(capsys, *args)
+    assert code == 0
+    code, int8 = run_cli(capsys, "--kv-codec", "int8", *args)
+    assert code == 0
+    assert int8[:-1] == plain[:-1]  # greedy text: int8 K/V change nothing here
+    mib = re.compile(r"cache: ([\d.]+) MiB")
+    fp32_mib = float(mib.search(plain[-1]).group(1))
+    int8_mib = float(mib.search(int8[-1]).group(1))
+    assert int8_mib < fp32_mib / 3  # 8.25 bits per value against 32
+    code, mixed = run_cli(capsys, "--kv-codec", "int8/int4", *args)
+    assert code == 0 and STATS.match(mixed[-1])
+    assert main(["generate", "--kv-codec", "int3", "hi"]) == 2
+    assert "kv" in capsys.readouterr().err

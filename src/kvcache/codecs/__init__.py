@@ -8,7 +8,8 @@ int8      int8 + fp16 scale per (token, head)                  8.25
 int4      4-bit asymmetric, fp16 scale + min per 32 channels   5     (keys centred)
 int4g64   the same with groups of 64 channels                  4.5   (keys centred)
 kivi4/2   keys per channel (blocks of 64 tokens), values per token  4.5 / 2.5
-turbo4/3  rotation + Lloyd-Max codebook per (token, head)      4.25 / 3.25 (keys centred)
+turbo4/3  rotation + Lloyd-Max codebook per (token, head)      4.25 / 3.2 (keys centred;
+          keys get 5 / 4 bits, values 3 / 2)
 
 int4, turbo and kivi also keep the newest 128 rows in fp16 (a fixed 128 * H * D * 2 bytes
 per buffer; ``"int4:recent=0"`` turns it off, ``"kivi4:residual=256"`` resizes kivi's).
@@ -49,16 +50,34 @@ CODECS: dict[str, Callable[..., Codec]] = {
     "int4g64": lambda key, recent=RECENT: _recent(Int4Codec(group=64, centre=key), recent),
     "kivi4": lambda key, residual=128: KiviCodec(4, per_channel=key, residual=residual),
     "kivi2": lambda key, residual=128: KiviCodec(2, per_channel=key, residual=residual),
-    "turbo4": lambda key, recent=RECENT: _recent(TurboCodec(4, keys=key), recent),
-    "turbo3": lambda key, recent=RECENT: _recent(TurboCodec(3, keys=key), recent),
+    "turbo4": lambda key, recent=RECENT, key_bits=5, value_bits=3: _turbo(
+        "turbo4", key, recent, key_bits, value_bits
+    ),
+    "turbo3": lambda key, recent=RECENT, key_bits=4, value_bits=2: _turbo(
+        "turbo3", key, recent, key_bits, value_bits
+    ),
 }
+
+
+def _turbo(name: str, key: bool, recent: int, key_bits: int, value_bits: int) -> Codec:
+    """Turbo codes, ``key_bits`` for keys and ``value_bits`` for values (see turbo_codec);
+    2-bit values keep their norm in one byte."""
+    bits = key_bits if key else value_bits
+    if not 1 <= bits <= 8:
+        raise InvalidConfigError("key_bits" if key else "value_bits", bits, "an int in 1..8")
+    log_scale = not key and bits <= 2
+    return _recent(TurboCodec(bits, keys=key, log_scale=log_scale, name=name), recent)
 
 
 def make_codec(spec: str | Codec, role: str = "key") -> Codec:
     """A codec from its registry name for ``role`` "key" or "value" (a Codec is returned
-    as is). Integer options follow a colon: ``"int4:recent=0"``, ``"kivi4:residual=256"``."""
+    as is). Integer options follow a colon: ``"int4:recent=0"``, ``"kivi4:residual=256"``;
+    ``"KEY/VALUE"`` names one codec per role: ``"int8/int4"``."""
     if isinstance(spec, Codec):
         return spec
+    if isinstance(spec, str) and "/" in spec:  # "KEY/VALUE": this role's half
+        key_spec, _, value_spec = spec.partition("/")
+        return make_codec(key_spec if role == "key" else value_spec, role)
     name, _, opts = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     factory = CODECS.get(name)
     if factory is None:
@@ -77,7 +96,10 @@ def make_codec(spec: str | Codec, role: str = "key") -> Codec:
         raise InvalidConfigError(
             f"{role}_codec", spec, f"options of {name}: {list(allowed) or 'none'}"
         )
-    return factory(role == "key", **kwargs)
+    codec: Codec = factory(role == "key", **kwargs)
+    if kwargs:  # the name tells the variant apart (prefix-cache namespaces use it)
+        codec.name = f"{name}:" + ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+    return codec
 
 
 __all__ = [

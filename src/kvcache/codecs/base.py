@@ -71,19 +71,23 @@ class Centre:
 
     def __init__(self, heads: int, dim: int, device: torch.device) -> None:
         self.value = torch.zeros((heads, dim), dtype=torch.float16, device=device)
+        self._float = self.value.float()
         self.fixed = False
 
     def remove(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H, D] minus the centre, as float32 (the first call fixes the centre)."""
         x = x.float()
         if not self.fixed and x.shape[0] > 0:
-            self.value = x.mean(dim=0).to(torch.float16)
-            self.fixed = True
-        return x - self.value.float()
+            self.fix(x.mean(dim=0).to(torch.float16))
+        return x - self._float
+
+    def fix(self, value: torch.Tensor) -> None:
+        """Set the centre [H, D] (fp16) now; rows already written would decode wrongly."""
+        self.value, self._float, self.fixed = value, value.float(), True
 
     def restore(self, x: torch.Tensor) -> torch.Tensor:
         """Add the centre back to decoded rows ``x`` [L, H, D] (in place)."""
-        return x.add_(self.value.to(x.dtype))
+        return x.add_(self._float if x.dtype == torch.float32 else self.value.to(x.dtype))
 
     def nbytes(self) -> int:
         return tensor_bytes(self.value)

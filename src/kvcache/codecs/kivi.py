@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvcache.codecs.base import Buffer, Codec, Locs, tensor_bytes
-from kvcache.codecs.pack import pack, unpack
+from kvcache.codecs.pack import pack, unpack, unpack4
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
 
 META = torch.float16
@@ -107,14 +107,18 @@ class KiviBuffer(Buffer):
     # ---- reading ---------------------------------------------------------------------
     def _decode_rows(self, r: slice, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
         """Decode the sealed codes of block-aligned rows r = blocks [b0, b1)."""
-        q = unpack(self.codes[r], self.bits).to(dtype)  # [R, H, D]
+        codes = self.codes[r]
+        q = unpack4(codes) if self.bits == 4 else unpack(codes, self.bits)
+        x = torch.empty((codes.shape[0], codes.shape[1], self.dim), dtype=torch.float32)
+        x.copy_(q.view(x.shape))  # [R, H, D], one conversion; computed in float32
+        # multiply, then add, in place: each op has one broadcast operand (fast; see ints.py)
         if self.per_channel:
-            qb = q.reshape(b1 - b0, self.g, *q.shape[1:])  # [B, G, H, D]
-            s, lo = self.scale[b0:b1, None].to(dtype), self.low[b0:b1, None].to(dtype)
-            return torch.addcmul(lo, qb, s).reshape(q.shape)
-        qg = q.reshape(*q.shape[:2], -1, self.vg)  # [R, H, D/g, g]
-        s, lo = self.scale[r][..., None].to(dtype), self.low[r][..., None].to(dtype)
-        return torch.addcmul(lo, qg, s).reshape(q.shape)
+            xb = x.view(b1 - b0, self.g, *x.shape[1:])  # [B, G, H, D]
+            xb.mul_(self.scale[b0:b1, None].float()).add_(self.low[b0:b1, None].float())
+            return x.to(dtype)
+        xg = x.view(*x.shape[:2], -1, self.vg)  # [R, H, D/g, g]
+        xg.mul_(self.scale[r][..., None].float()).add_(self.low[r][..., None].float())
+        return x.to(dtype)
 
     def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         b0, b1 = lo // self.g, -(-hi // self.g)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -21,6 +23,19 @@ def unpack(b: torch.Tensor, bits: int) -> torch.Tensor:
     mask = (1 << bits) - 1
     parts = [(b >> (bits * i)) & mask for i in range(per)]
     return torch.stack(parts, dim=-1).reshape(*b.shape[:-1], -1)
+
+
+def unpack4(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., D/2] -> 4-bit codes [..., D] (uint8), as ``unpack(b, 4)`` but in 3
+    contiguous integer ops: each byte widened to int16 becomes ``(b | b << 4) & 0x0F0F``,
+    whose two bytes in memory are (low nibble, high nibble) on a little-endian machine, so
+    viewing the int16 lanes as uint8 is the unpacked row (no stack, no reshape copy)."""
+    if sys.byteorder != "little":
+        return unpack(b, 4)
+    t = b.contiguous().to(torch.int16)
+    u = torch.bitwise_left_shift(t, 4)
+    u.bitwise_or_(t).bitwise_and_(0x0F0F)
+    return u.view(torch.uint8)
 
 
 def check_bits(bits: int) -> bool:

@@ -21,6 +21,7 @@ examples:
   kvcache generate --temperature 0 "Once upon a time"    greedy (deterministic)
   kvcache generate -n 4 --seed 1 --chat "Name a fruit"   4 samples decoded together, the
                                                          prompt computed once and shared
+  kvcache generate --kv-codec int8 "Tell me about caches"  int8 K/V (kivi4, turbo4, ...)
   kvcache generate --capacity 256 --max-new-tokens 600 "A long story:"
                                                          context shifting at 256 positions
 
@@ -66,6 +67,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--kv-codec",
+        default=None,
+        metavar="SPEC",
+        help="how the cache stores K/V: fp32, fp16, bf16, int8, int4, kivi4, turbo4, turbo3, "
+        "kivi2, or KEY/VALUE such as int8/int4 (default: the weights' dtype)",
+    )
 
 
 def peak_rss_bytes() -> int:
@@ -103,7 +111,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if capacity is None:
             capacity = min(model.config.context_length, len(ids) + args.max_new_tokens)
         gen = Generator(
-            model, tokenizer, capacity=capacity, max_sequences=args.parallel, window=args.window
+            model,
+            tokenizer,
+            capacity=capacity,
+            max_sequences=args.parallel,
+            window=args.window,
+            codec=args.kv_codec,
         )
         requests = gen.add_many([ids] * args.parallel, config)
         if args.parallel == 1:
@@ -122,12 +135,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def _config(args: argparse.Namespace) -> GenerationConfig:
     """Generation options from the command line (typed errors for bad values)."""
+    from kvcache.codecs import make_codec
     from kvcache.errors import InvalidArgumentError
     from kvcache.generate import GenerationConfig
     from kvcache.models.sampling import SamplingParams
 
     if args.parallel < 1:
         raise InvalidArgumentError("-n/--parallel", args.parallel, "an int >= 1")
+    if args.kv_codec is not None:  # a bad spec fails before the weights load
+        make_codec(args.kv_codec, "key")
+        make_codec(args.kv_codec, "value")
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),

@@ -67,6 +67,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument(
+        "--kv-codec",
+        default=None,
+        metavar="SPEC",
+        help="how the cache stores K/V: fp32, fp16, bf16, int8, int4, kivi4, turbo4, turbo3, "
+        "kivi2, or KEY/VALUE such as int8/int4 (default: the weights' dtype)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -114,16 +121,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    from kvcache.codecs import make_codec
     from kvcache.engine.scheduler import EngineConfig
     from kvcache.errors import InvalidArgumentError
 
     if not 0 <= args.port < 65536:
         raise InvalidArgumentError("--port", args.port, "a port number in [0, 65535]")
+    if args.kv_codec is not None:  # a bad spec fails before the weights load
+        make_codec(args.kv_codec, "key")
+        make_codec(args.kv_codec, "value")
     return EngineConfig(
         capacity=args.capacity,
         max_sequences=args.max_sequences,
         max_batch=args.max_batch,
         prefix_cache=not args.no_prefix_cache,
+        codec=args.kv_codec,
     )
 
 

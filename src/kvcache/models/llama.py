@@ -212,8 +212,10 @@ class Llama:
         max_sequences: int = 1,
         max_batch: int | None = None,
         window: int | None = None,
+        codec: str | None = None,
     ) -> CausalCache:
-        """A causal cache for this model: its dtype, and RoPE as the shift of middle removals."""
+        """A causal cache for this model: its dtype, RoPE as the shift of middle removals,
+        and ``codec`` (a registry spec such as "int8" or "int8/int4"; None: the dtype)."""
         return CausalCache(
             capacity,
             max_sequences=max_sequences,
@@ -221,6 +223,7 @@ class Llama:
             window=window,
             shift=self.rope.shift,
             dtype=self.dtype,
+            codec=codec,
         )
 
     # ---- forward ---------------------------------------------------------------------
