@@ -73,3 +73,14 @@ def test_key_rope_choice_and_errors():
         CausalCache(8, codec="kivi4", key_rope="pre")
     with pytest.raises(InvalidConfigError, match="key_rope"):
         CausalCache(8, shift=rope_like, key_rope="sideways")
+
+
+def test_storage_needs_positions_when_keys_are_stored_before_rope():
+    cache = CausalCache(8, shift=rope_like, key_rope="pre")
+    x = outlier_rows(2)
+    cache.start_forward(Batch.single(0, 0, 2))
+    cache.update(0, x, x)
+    with pytest.raises(InvalidArgumentError, match="positions"):
+        cache.storage.view(0, 0, 2)
+    with pytest.raises(InvalidArgumentError, match="positions"):
+        cache.storage.write(0, slice(2, 3), x[:1], x[:1])

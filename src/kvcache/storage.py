@@ -126,10 +126,10 @@ class Storage:
     def _unrotate(
         self, layer: int, key: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
+        """Keys as stored: un-rotated by their positions when stored before RoPE."""
         if self.rope is None:
             return key
-        if positions is None:
-            raise InvalidArgumentError("positions", None, "row positions (keys stored pre-RoPE)")
+        positions = _required(positions)
         if self._negated is None or self._negated[0] is not positions:
             self._negated = (positions, -positions)  # one tensor for every layer's write
         return self.rope(layer, key, self._negated[1])
@@ -137,14 +137,19 @@ class Storage:
     def _rotate(
         self, layer: int, keys: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
+        """Decoded keys as the model wrote them (rotated back when stored before RoPE)."""
         if self.rope is None:
             return keys
-        if positions is None:
-            raise InvalidArgumentError("positions", None, "row positions (keys stored pre-RoPE)")
-        return self.rope(layer, keys, positions).to(self.dtype)
+        return self.rope(layer, keys, _required(positions)).to(self.dtype)
 
     def nbytes(self) -> int:
         return sum(st.nbytes() for st in self.layers.values())
+
+
+def _required(positions: torch.Tensor | None) -> torch.Tensor:
+    if positions is None:
+        raise InvalidArgumentError("positions", None, "row positions (keys stored pre-RoPE)")
+    return positions
 
 
 def check_kv(key: object, value: object, tokens: int) -> None:

@@ -7,6 +7,8 @@ import resource
 import sys
 from typing import TYPE_CHECKING, TextIO
 
+from kvcache.commands.options import add_kv_codec, check_kv_codec
+
 if TYPE_CHECKING:
     import torch
 
@@ -67,13 +69,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument(
-        "--kv-codec",
-        default=None,
-        metavar="SPEC",
-        help="how the cache stores K/V: fp32, fp16, bf16, int8, int4, kivi4, turbo4, turbo3, "
-        "kivi2, or KEY/VALUE such as int8/int4 (default: the weights' dtype)",
-    )
+    add_kv_codec(parser)
 
 
 def peak_rss_bytes() -> int:
@@ -135,16 +131,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def _config(args: argparse.Namespace) -> GenerationConfig:
     """Generation options from the command line (typed errors for bad values)."""
-    from kvcache.codecs import make_codec
     from kvcache.errors import InvalidArgumentError
     from kvcache.generate import GenerationConfig
     from kvcache.models.sampling import SamplingParams
 
     if args.parallel < 1:
         raise InvalidArgumentError("-n/--parallel", args.parallel, "an int >= 1")
-    if args.kv_codec is not None:  # a bad spec fails before the weights load
-        make_codec(args.kv_codec, "key")
-        make_codec(args.kv_codec, "value")
+    check_kv_codec(args.kv_codec)  # a bad spec fails before the weights load
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),

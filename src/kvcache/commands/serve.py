@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvcache.commands.options import add_kv_codec, check_kv_codec
+
 if TYPE_CHECKING:
     import torch
 
@@ -66,13 +68,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument(
-        "--kv-codec",
-        default=None,
-        metavar="SPEC",
-        help="how the cache stores K/V: fp32, fp16, bf16, int8, int4, kivi4, turbo4, turbo3, "
-        "kivi2, or KEY/VALUE such as int8/int4 (default: the weights' dtype)",
-    )
+    add_kv_codec(parser)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -121,15 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    from kvcache.codecs import make_codec
     from kvcache.engine.scheduler import EngineConfig
     from kvcache.errors import InvalidArgumentError
 
     if not 0 <= args.port < 65536:
         raise InvalidArgumentError("--port", args.port, "a port number in [0, 65535]")
-    if args.kv_codec is not None:  # a bad spec fails before the weights load
-        make_codec(args.kv_codec, "key")
-        make_codec(args.kv_codec, "value")
+    check_kv_codec(args.kv_codec)  # a bad spec fails before the weights load
     return EngineConfig(
         capacity=args.capacity,
         max_sequences=args.max_sequences,
