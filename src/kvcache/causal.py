@@ -363,8 +363,9 @@ class CausalCache:
         """Drop ``seq``'s positions [begin, end); later positions move down by end - begin.
 
         Moved keys are re-rotated through ``shift`` (per layer, in chunks of at most
-        ``max_batch`` cells), or, stored before RoPE, keep their codes. Raises NotSupportedError, changing nothing, when tokens must
-        move and there is no ``shift`` or a moving cell is shared with another sequence.
+        ``max_batch`` cells), or, stored before RoPE, keep their codes. Raises
+        NotSupportedError, changing nothing, when tokens must move and there is no
+        ``shift`` or a moving cell is shared with another sequence.
         ``end=None`` (to the end) never fails.
         """
         self._check_open()

@@ -1,15 +1,16 @@
 """Storage formats of the cell cache, by name: ``make_codec("int8")``.
 
-name      keys/values stored as                                bits per value (D=64)
-fp32      float32                                              32
-fp16      float16                                              16
-bf16      bfloat16                                             16
-int8      int8 + fp16 scale per (token, head)                  8.25
-int4      4-bit asymmetric, fp16 scale + min per 32 channels   5     (keys centred)
-int4g64   the same with groups of 64 channels                  4.5   (keys centred)
-kivi4/2   keys per channel (blocks of 64 tokens), values per token  4.5 / 2.5
-turbo4/3  rotation + Lloyd-Max codebook per (token, head)      4.25 / 3.2 (keys centred;
-          keys get 5 / 4 bits, values 3 / 2)
+name      keys/values stored as                                  bits per value (D=64)
+fp32      float32                                                32
+fp16      float16                                                16
+bf16      bfloat16                                               16
+int8      int8 + fp16 scale per (token, head)                    8.25
+int4      4-bit asymmetric, fp16 scale + min per 32 channels     5 (keys centred)
+int4g64   the same with groups of 64 channels                    4.5 (keys centred)
+kivi4/2   keys per channel (blocks of 64 tokens), values per token   4.5 / 2.5
+turbo4/3  rotation + Lloyd-Max codebook per (token, head); keys   4.25 / 3.19 (keys
+          get 5 / 4 bits, values 3 / 2                           centred)
+A/B       codec A for keys, B for values: "int8/int4"
 
 int4, turbo and kivi also keep the newest 128 rows in fp16 (a fixed 128 * H * D * 2 bytes
 per buffer; ``"int4:recent=0"`` turns it off, ``"kivi4:residual=256"`` resizes kivi's).
