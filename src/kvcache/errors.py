@@ -64,3 +64,8 @@ class NotSupportedError(KVCacheError):
 
 class CallOrderError(KVCacheError, RuntimeError):
     """A method was called before the one it depends on (e.g. put before start_forward)."""
+
+
+class StoreUnavailableError(KVCacheError, OSError):
+    """A prefix block store could not be read or written (e.g. Redis down). The engine
+    counts it and goes on as with a miss: the prefix is computed instead."""

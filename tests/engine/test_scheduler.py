@@ -9,7 +9,7 @@ import torch
 
 from kvcache.engine.scheduler import Engine, EngineConfig, RequestParams
 from kvcache.engine.store import MemoryStore
-from kvcache.errors import InvalidArgumentError
+from kvcache.errors import InvalidArgumentError, StoreUnavailableError
 from kvcache.models.llama import Llama, LlamaConfig
 
 TINY = LlamaConfig(
@@ -143,3 +143,28 @@ def test_corrupt_store_entry_is_ignored(model):
     r = warm.submit(p, RequestParams(max_tokens=8, ignore_eos=True))
     warm.run()
     assert warm.stats.store_rejected == 1 and r.reused == 0 and r.generated == out
+
+
+class DownStore(MemoryStore):
+    """A store whose server went away: every call raises StoreUnavailableError."""
+
+    name = "down"
+
+    def get(self, key: str) -> bytes | None:
+        raise StoreUnavailableError("down")
+
+    def put(self, key: str, data: bytes) -> None:
+        raise StoreUnavailableError("down")
+
+
+def test_unreachable_store_is_a_miss_and_requests_complete(model):
+    cfg = EngineConfig(capacity=128, max_sequences=1, block_size=8)
+    (p,) = prompts(1, length=40)
+    expected = run_all(Engine(model, config=cfg, model_id="tiny"), [p])[0]
+    engine = Engine(model, config=cfg, model_id="tiny", store=DownStore())
+    r = engine.submit(p, RequestParams(max_tokens=8, ignore_eos=True))
+    engine.run()
+    assert r.generated == expected and r.reused == 0
+    assert engine.stats.store_errors >= 2  # the lookup and the publish both failed
+    assert engine.stats.store_published == 0
+    assert engine.metrics()["store_errors_total"] == engine.stats.store_errors

@@ -11,6 +11,7 @@ from kvcache.engine.store import (
     CorruptBlockError,
     DiskStore,
     MemoryStore,
+    RedisStore,
     decode_block,
     encode_block,
     open_store,
@@ -88,3 +89,18 @@ def test_redis_store_shares_between_clients(redis_url):
 def test_bad_store_spec():
     with pytest.raises(InvalidArgumentError, match="prefix_store"):
         open_store("ftp://x")
+
+
+def test_redis_outage_is_a_typed_error(redis_url):
+    import redis
+    from conftest import free_port
+
+    from kvcache.errors import StoreUnavailableError
+
+    store = open_store(redis_url)
+    assert isinstance(store, RedisStore)
+    store.client = redis.Redis(port=free_port(), socket_timeout=1)  # the server went away
+    with pytest.raises(StoreUnavailableError, match="redis"):
+        store.get("k")
+    with pytest.raises(StoreUnavailableError, match="redis"):
+        store.put("k", b"v")

@@ -81,6 +81,12 @@ ENGINE_METRICS: tuple[Metric, ...] = (
         "Block-store entries rejected as corrupt or mismatched.",
         "store_rejected_total",
     ),
+    Metric(
+        "store_errors_total",
+        "counter",
+        "Block-store calls that failed (store unreachable), treated as misses.",
+        "store_errors_total",
+    ),
 )
 
 RATE_METRICS: tuple[Metric, ...] = (

@@ -43,7 +43,7 @@ from kvcache.engine.store import (
     decode_block,
     encode_block,
 )
-from kvcache.errors import CacheFullError, InvalidArgumentError
+from kvcache.errors import CacheFullError, InvalidArgumentError, StoreUnavailableError
 from kvcache.models.llama import Llama
 from kvcache.models.sampling import SamplingParams, sample
 from kvcache.prefix import PrefixIndex
@@ -156,6 +156,7 @@ class EngineStats:
     preemptions: int = 0
     store_published: int = 0
     store_rejected: int = 0
+    store_errors: int = 0  # the store could not be reached (treated as a miss)
     finished: int = 0
 
 
@@ -291,7 +292,12 @@ class Engine:
         keys: list[list[torch.Tensor]] = []
         values: list[list[torch.Tensor]] = []
         for h in hashes:
-            data = self.store.get(self.identity.key(h))
+            try:
+                data = self.store.get(self.identity.key(h))
+            except StoreUnavailableError as e:
+                log.warning("prefix store unavailable, computing instead: %s", e)
+                self.stats.store_errors += 1
+                break
             if data is None:
                 break
             try:
@@ -437,9 +443,15 @@ class Engine:
             kv = [self.cache.read_cells(lay, idx) for lay in layers]
             keys = [k.to(self.model.dtype) for k, _ in kv]
             vals = [v.to(self.model.dtype) for _, v in kv]
-            self.store.put(
-                self.identity.key(hashes[i]), encode_block(self.identity, hashes[i], keys, vals)
-            )
+            try:
+                self.store.put(
+                    self.identity.key(hashes[i]),
+                    encode_block(self.identity, hashes[i], keys, vals),
+                )
+            except StoreUnavailableError as e:  # not marked published: tried again later
+                log.warning("prefix store unavailable, block not published: %s", e)
+                self.stats.store_errors += 1
+                return
             self._published.add(hashes[i])
             self.stats.store_published += 1
 
@@ -472,6 +484,7 @@ class Engine:
             "preemptions_total": s.preemptions,
             "store_published_total": s.store_published,
             "store_rejected_total": s.store_rejected,
+            "store_errors_total": s.store_errors,
             "requests_finished_total": s.finished,
         }
 

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvcache.errors import InvalidArgumentError, KVCacheError
+from kvcache.errors import InvalidArgumentError, KVCacheError, StoreUnavailableError
 
 FORMAT = "kvcache-block-v1"
 log = logging.getLogger(__name__)
@@ -116,7 +116,8 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 class BlockStore(Protocol):
-    """Bytes by key; a miss is None. Implementations never raise on a missing key."""
+    """Bytes by key; a miss is None. Implementations never raise on a missing key, and
+    raise StoreUnavailableError when the store itself cannot be reached."""
 
     name: str
 
@@ -166,12 +167,17 @@ class DiskStore:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise StoreUnavailableError(f"disk store {self.root}: {e}") from e
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise StoreUnavailableError(f"disk store {self.root}: {e}") from e
 
 
 class RedisStore:
@@ -182,16 +188,27 @@ class RedisStore:
     def __init__(self, url: str, ttl_seconds: int | None = None) -> None:
         import redis
 
+        self.url = url
         self.client = redis.Redis.from_url(url, socket_timeout=5)
         self.client.ping()  # fail at start-up, not at the first request
         self.ttl = ttl_seconds
 
     def get(self, key: str) -> bytes | None:
-        value = self.client.get(key)
+        import redis
+
+        try:
+            value = self.client.get(key)
+        except redis.RedisError as e:
+            raise StoreUnavailableError(f"redis {self.url}: {e}") from e
         return value if isinstance(value, bytes) else None
 
     def put(self, key: str, data: bytes) -> None:
-        self.client.set(key, data, ex=self.ttl)
+        import redis
+
+        try:
+            self.client.set(key, data, ex=self.ttl)
+        except redis.RedisError as e:
+            raise StoreUnavailableError(f"redis {self.url}: {e}") from e
 
 
 def open_store(spec: str) -> BlockStore:
