@@ -92,14 +92,18 @@ def test_bad_store_spec():
 
 
 def test_redis_outage_is_a_typed_error(redis_url):
+    import socket
+
     import redis
-    from conftest import free_port
 
     from kvcache.errors import StoreUnavailableError
 
     store = open_store(redis_url)
     assert isinstance(store, RedisStore)
-    store.client = redis.Redis(port=free_port(), socket_timeout=1)  # the server went away
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = int(s.getsockname()[1])
+    store.client = redis.Redis(port=dead, socket_timeout=1)  # the server went away
     with pytest.raises(StoreUnavailableError, match="redis"):
         store.get("k")
     with pytest.raises(StoreUnavailableError, match="redis"):
