@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,3 +59,46 @@ def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
+
+
+# ---- worker subprocesses (one measurement per process: clean peak RSS) ---------------
+def spawn_worker(script: str, args: list[str], threads: int, label: str) -> dict[str, Any]:
+    """Run ``python script args`` with ``threads`` OpenMP threads; its last ``RESULT {json}``
+    line, parsed. Raises RuntimeError with the worker's stderr tail when it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, env=env, check=False
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {label} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+def hf_checkpoint(folder: Path) -> Path:
+    """Convert the GGUF to a transformers checkpoint once (dequantizing takes ~15-40 s)."""
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import transformers
+
+    from kvcache.weights.gguf import smollm2_path
+
+    gguf = smollm2_path()
+    print(f"converting {gguf.name} for transformers into {folder} (once)", flush=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None  # type: ignore[assignment]  # else save_pretrained refuses
+    model.save_pretrained(folder)
+    return folder
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two greedy continuations."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

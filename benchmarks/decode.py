@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    agreement,
+    hf_checkpoint,
+    spawn_worker,
+    table,
+    write_json,
+)
 
 SYSTEMS = ("ours", "hf-dynamic", "hf-static")
 PROMPT_SEED = 1234
@@ -141,61 +147,19 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 # ---- driver ----------------------------------------------------------------------------
-def hf_checkpoint(folder: Path) -> Path:
-    """Convert the GGUF to a transformers checkpoint once (dequantizing takes ~15-40 s)."""
-    if (folder / "model.safetensors").is_file():
-        return folder
-    import transformers
-
-    from kvcache.weights.gguf import smollm2_path
-
-    gguf = smollm2_path()
-    print(f"converting {gguf.name} for transformers into {folder} (once)", flush=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    model.hf_quantizer = None  # type: ignore[assignment]  # else save_pretrained refuses
-    model.save_pretrained(folder)
-    return folder
-
-
 def measure(system: str, length: int, parallel: int, args: argparse.Namespace) -> dict[str, Any]:
     """One worker subprocess; its RESULT line parsed."""
-    cmd = [
-        sys.executable,
-        __file__,
+    worker_args = [
         "--worker",
         system,
         "--length",
         str(length),
         "--new-tokens",
         str(args.new_tokens),
-        "--parallel",
-        str(parallel),
-        "--threads",
-        str(args.threads),
-        "--repeats",
-        str(args.repeats),
-        "--hf-dir",
-        str(args.hf_dir),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"worker {system} L={length} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
-
-
-def agreement(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two greedy continuations."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    worker_args += ["--parallel", str(parallel), "--threads", str(args.threads)]
+    worker_args += ["--repeats", str(args.repeats), "--hf-dir", str(args.hf_dir)]
+    return spawn_worker(__file__, worker_args, args.threads, f"{system} L={length}")
 
 
 def parse_args() -> argparse.Namespace:

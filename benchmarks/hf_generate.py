@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +39,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    agreement,
+    hf_checkpoint,
+    spawn_worker,
+    table,
+    write_json,
+)
 
 PASSAGE = (
     "The key-value cache stores the keys and values of every token a transformer has already "
@@ -188,46 +194,12 @@ def worker(name: str, length: int, new: int, hf_dir: str, repeats: int) -> dict[
 
 
 # ---- driver ----------------------------------------------------------------------------
-def hf_checkpoint(folder: Path) -> Path:
-    """Convert the GGUF to a transformers checkpoint once (dequantizing takes ~15-40 s)."""
-    if (folder / "model.safetensors").is_file():
-        return folder
-    import transformers
-
-    from kvcache.weights.gguf import smollm2_path
-
-    gguf = smollm2_path()
-    print(f"converting {gguf.name} for transformers into {folder} (once)", flush=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    model.hf_quantizer = None  # type: ignore[assignment]  # else save_pretrained refuses
-    model.save_pretrained(folder)
-    return folder
-
-
 def measure(name: str, length: int, args: argparse.Namespace) -> dict[str, Any]:
     """Run one worker subprocess and parse its RESULT line."""
-    cmd = [sys.executable, __file__, "--worker", name, "--lengths", str(length)]
-    cmd += ["--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-    cmd += ["--hf-dir", str(args.hf_dir), "--repeats", str(args.repeats)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"worker {name} L={length} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    return result
-
-
-def agreement(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two greedy continuations."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    worker_args = ["--worker", name, "--lengths", str(length), "--new-tokens", str(args.new_tokens)]
+    worker_args += ["--threads", str(args.threads), "--hf-dir", str(args.hf_dir)]
+    worker_args += ["--repeats", str(args.repeats)]
+    return spawn_worker(__file__, worker_args, args.threads, f"{name} L={length}")
 
 
 def goals(rows: list[dict[str, Any]], lengths: list[int]) -> list[str]:
