@@ -102,3 +102,21 @@ def agreement(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def token_clock() -> Any:
+    """A transformers streamer that records the time of each put: the prompt first, then
+    one per new token (``.times``)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    return Clock()

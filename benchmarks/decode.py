@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     hf_checkpoint,
     spawn_worker,
     table,
+    token_clock,
     write_json,
 )
 
@@ -87,26 +88,13 @@ def worker_ours(length: int, new: int, parallel: int, repeats: int) -> dict[str,
 def worker_hf(length: int, new: int, static: bool, repeats: int, hf_dir: str) -> dict[str, Any]:
     """transformers generate, greedy, DynamicCache or StaticCache (eager)."""
     import transformers
-    from transformers.generation.streamers import BaseStreamer
 
     transformers.logging.set_verbosity_error()
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
-    class Clock(BaseStreamer):
-        """Time of each put: the prompt first, then one per new token."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value: torch.Tensor) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
     def once(n_new: int, prompt_len: int) -> tuple[float, float, list[int]]:
         ids = torch.tensor([prompt_ids(prompt_len)])
-        clock = Clock()
+        clock = token_clock()
         kwargs: dict[str, Any] = {"cache_implementation": "static"} if static else {}
         start = time.perf_counter()
         with torch.no_grad():

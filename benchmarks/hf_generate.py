@@ -45,6 +45,7 @@ from common import (  # noqa: E402
     hf_checkpoint,
     spawn_worker,
     table,
+    token_clock,
     write_json,
 )
 
@@ -138,25 +139,12 @@ def worker(name: str, length: int, new: int, hf_dir: str, repeats: int) -> dict[
     """Load the model, warm up, then ``repeats`` timed generates, each with a fresh cache
     (best prefill and decode rate kept: on a shared machine best-of is the least noisy)."""
     import transformers
-    from transformers.generation.streamers import BaseStreamer
 
     transformers.logging.set_verbosity_error()
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt_ids(length)])
 
-    class Clock(BaseStreamer):
-        """Time of each put: the prompt first, then one per new token."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value: torch.Tensor) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    def generate(prompt: torch.Tensor, n_new: int, cache: Any, clock: Clock | None) -> Any:
+    def generate(prompt: torch.Tensor, n_new: int, cache: Any, clock: Any) -> Any:
         with torch.no_grad():
             return model.generate(
                 prompt,
@@ -174,7 +162,7 @@ def worker(name: str, length: int, new: int, hf_dir: str, repeats: int) -> dict[
     prefill, decode = 0.0, 0.0
     for _ in range(repeats):
         cache = make_cache(name, model.config, length + new)
-        clock = Clock()
+        clock = token_clock()
         start = time.perf_counter()
         out = generate(ids, new, cache, clock)
         end = time.perf_counter()
