@@ -459,7 +459,9 @@ class Int8Machine(CacheMachine):
 
 
 class Int4Machine(FullAttentionMachine):
-    CODEC = "int4"
+    # each row round-trips on its own only without the fp16 window of the newest rows (which
+    # rows it holds depends on the write order; test_codecs checks the window)
+    CODEC = "int4:recent=0"
     HEAD_DIM = 32
 
 
