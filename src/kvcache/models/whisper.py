@@ -404,15 +404,10 @@ def _decode_layers(
     h, t = cfg.n_text_head, x.shape[0]
     scale = 1.0 / math.sqrt(cfg.n_text_state // h)
     wrap = cache.cache
-    bias: torch.Tensor | None = None  # additive mask [T, L], built once for all layers
     for layer, blk in enumerate(model.decoder):
         q, k, v = blk.qkv(blk.attn_ln(x)).view(t, 3, h, -1).unbind(1)  # each [T, H, D]
         wrap.set_layer_type(SELF)
-        keys, values, mask = wrap.update(layer, k, v)  # [L, H, D] views in cell order, [T, L]
-        if bias is None:
-            assert mask is not None, "the causal cache always returns a mask"
-            bias = torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf"))
-        x = x + blk.out(_cell_attention(q, keys, values, bias, scale))
+        x = x + blk.out(wrap.attention(layer, q, k, v, scale=scale).reshape(t, -1))
         wrap.set_layer_type(CROSS)
         ck, cv, _ = wrap.get(layer)  # [A, H, S, D]
         x = x + blk.cross_out(
@@ -420,15 +415,6 @@ def _decode_layers(
         )
         x = x + blk.fc2(F.gelu(blk.fc1(blk.mlp_ln(x))))
     return F.linear(model.decoder_ln(x), model.token_emb)  # [T, n_vocab]: one matmul
-
-
-def _cell_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [T, H, D] over cells keys/values [L, H, D] (strided views, no copy) -> [T, H*D]."""
-    scores = torch.baddbmm(bias, q.transpose(0, 1), keys.permute(1, 2, 0), alpha=scale)  # [H, T, L]
-    out = torch.bmm(scores.softmax(-1), values.transpose(0, 1))  # [H, T, D]
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def _cross_attention(
