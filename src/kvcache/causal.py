@@ -163,7 +163,7 @@ class CausalCache:
             if t > self.num_cells:
                 raise CacheFullError(t, self.cells.free_count(), self.num_cells)
             locs = np.arange(t, dtype=np.int64)
-            self._fwd = ForwardPlan(self, positions, seqs, locs, True, {})
+            self._fwd = ForwardPlan(self, positions, seqs, locs, True, (None, None))
             return
         evictions = self._plan_eviction(positions, seqs)
         refs = self.cells.refs

@@ -20,7 +20,7 @@ import torch
 
 from kvcache.kernels.plan import AttentionPlan, RowBounds
 from kvcache.protocol import RotaryShift
-from kvcache.recent import SealPlan, WindowSpec
+from kvcache.storage import Seals
 
 if TYPE_CHECKING:
     from kvcache.causal import CausalCache
@@ -39,7 +39,7 @@ class ForwardPlan:
         sequences: np.ndarray,
         cells: np.ndarray,
         reserve: bool,
-        seals: dict[WindowSpec, SealPlan],
+        seals: Seals,
     ) -> None:
         self._cache = cache
         self.positions = positions  # [T] int64

@@ -3,7 +3,10 @@
 Bookkeeping only (ints and bools in numpy arrays); the buffers of ``kvcache.codecs`` hold
 the rows. A quantizing codec keeps each sequence's newest ``window`` rows (by position) in
 fp16 and encodes ("seals") the older ones, ``group`` consecutive rows of one sequence at a
-time (1 for per-row codecs; 64 for KIVI keys, quantized per channel over 64 tokens)::
+time (1 for per-row codecs; 64 for KIVI keys, quantized per channel over 64 tokens), and
+``batch`` rows at a time: a decode step then only copies its row into the window, and a
+buffer encodes once every ``batch`` steps (so a window holds ``window`` to
+``window + batch - 1`` rows)::
 
     seq 3 positions   0 ... 63 | 64 ... 127 | 128 ............ 255     window 128, group 64
     state             sealed   |  sealed    |  open (fp16 rows)
@@ -37,6 +40,7 @@ import numpy as np
 from kvcache.cells import Cells
 
 META_KINDS = ("none", "sequence", "group")
+SEAL_BATCH = 32  # rows of a sequence sealed together (a multiple of the codec's group)
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,11 @@ class WindowSpec:
     window: int
     group: int = 1
     meta: str = "none"
+    batch: int = SEAL_BATCH
 
     def __post_init__(self) -> None:
         assert self.window >= 0 and self.group >= 1, f"bad window spec {self}"
+        assert self.batch % self.group == 0, f"batch {self.batch} not a multiple of group"
         assert self.meta in META_KINDS, f"meta kind {self.meta!r} not in {META_KINDS}"
 
 
@@ -109,11 +115,11 @@ class Windows:
         for seq in seqs[np.sort(first)].tolist():
             new = int(np.count_nonzero(seqs == seq))
             order = cells.ordered(seq)
-            tail = order[-(self.spec.window + self.spec.group + new) :]
+            tail = order[-(self.spec.window + self.spec.batch + new) :]
             cand = tail[(self.open[tail] | is_new[tail]) & ~claimed[tail]]  # by position
             excess = len(cand) - self.spec.window
-            n_seal = excess if self.spec.group == 1 else excess // self.spec.group * self.spec.group
-            sealing = cand[: max(n_seal, 0)]
+            b = self.spec.batch
+            sealing = cand[: max(excess // b * b, 0)]
             claimed[sealing] = True
             if len(sealing):
                 groups.extend(self._groups(seq, sealing, cand))
@@ -233,5 +239,5 @@ class Windows:
         for seq in cells.ranges:
             held = cells.ordered(seq)
             n_open = int(np.count_nonzero(self.open[held]))
-            slack = self.spec.window + self.spec.group - 1
+            slack = self.spec.window + self.spec.batch - 1
             assert n_open <= max(slack, 0), f"seq {seq} keeps {n_open} open rows > {slack}"

@@ -25,6 +25,8 @@ from kvcache.codecs.base import Buffer, Layout, Locs
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
 from kvcache.recent import SealPlan, Windows, WindowSpec
 
+Seals = tuple[SealPlan | None, SealPlan | None]  # one forward's plans: keys', values'
+
 
 class LayerStorage:
     """K and V buffers of one layer, each in its codec's format."""
@@ -65,14 +67,18 @@ class Storage:
         self.codecs = (key_codec, value_codec)
         specs = {c.spec for c in self.codecs if c.spec is not None}
         self.windows: dict[WindowSpec, Windows] = {s: Windows(n, s) for s in specs}
+        self.roles = tuple(self.windows_of(c) for c in self.codecs)  # keys', values' windows
         self.layers: dict[int, LayerStorage] = {}
 
     def windows_of(self, codec: Codec) -> Windows | None:
         return None if codec.spec is None else self.windows[codec.spec]
 
-    def plan(self, cells: Cells, locs: np.ndarray, seqs: np.ndarray) -> dict[WindowSpec, SealPlan]:
-        """What a forward that placed ``locs`` does to every window (commits their state)."""
-        return {spec: w.plan(cells, locs, seqs) for spec, w in self.windows.items()}
+    def plan(self, cells: Cells, locs: np.ndarray, seqs: np.ndarray) -> Seals:
+        """What a forward that placed ``locs`` does to the keys' and the values' windows
+        (commits their state; K and V with the same window share one plan)."""
+        plans = {id(w): w.plan(cells, locs, seqs) for w in self.windows.values()}
+        key, value = (None if w is None else plans[id(w)] for w in self.roles)
+        return key, value
 
     def layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> LayerStorage:
         """The layer's storage, allocated on first use from the put's shapes."""
@@ -97,13 +103,12 @@ class Storage:
         locs: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        seals: dict[WindowSpec, SealPlan],
+        seals: Seals,
     ) -> None:
         """Store token rows into cells ``locs`` [T] as the forward's seal plans say."""
         st = self.layer(layer, key, value)
-        kc, vc = self.codecs
-        st.keys.store(locs, key, None if kc.spec is None else seals[kc.spec])
-        st.values.store(locs, value, None if vc.spec is None else seals[vc.spec])
+        st.keys.store(locs, key, seals[0])
+        st.values.store(locs, value, seals[1])
 
     def read(self, layer: int, cells: Locs) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded K and V rows of ``cells`` as ``dtype`` (views for a float codec in that

@@ -341,7 +341,8 @@ def test_reorder_shares_cells_instead_of_copying():
 # ---- the state machine ---------------------------------------------------------------
 def _roundtrip(codec: str | Codec | None, role: str, x: torch.Tensor) -> torch.Tensor:
     """What a codec gives back for rows x [B, H, L, D], each row encoded on its own (the
-    machines' codecs keep no window and no key centre), through a fresh cell cache."""
+    machines' codecs keep no window, seal each row as written and use no key centre),
+    through a fresh cell cache."""
     if codec in (None, "fp32"):
         return x
     b, h, n, d = x.shape
@@ -457,13 +458,14 @@ class FullAttentionMachine(CacheMachine):
 
 
 class Int8Machine(CacheMachine):
-    CODEC = "int8"
+    CODEC = "int8:batch=1"  # each row encoded as it is written (no rows waiting in fp16)
+    PREALLOCATED = False  # codes are allocated as rows are encoded
 
 
 class Int4Machine(FullAttentionMachine):
     # int4 without the fp16 window and the key centre: each row round-trips on its own
     # (test_codecs checks the window and the centre)
-    CODEC = AffineRowsCodec(4, 32, centre=False, window=0, name="int4")
+    CODEC = AffineRowsCodec(4, 32, centre=False, window=0, name="int4", batch=1)
     PREALLOCATED = False
     HEAD_DIM = 32
 

@@ -13,7 +13,9 @@ turbo4/3  rotation + Lloyd-Max codebook per (token, head); keys   4.25 / 3.19 (k
 A/B       codec A for keys, B for values: "int8/int4"
 
 int4, turbo and kivi keep each sequence's newest 128 rows in fp16 (``kvcache.recent``;
-``"int4:recent=0"`` turns it off, ``"kivi4:residual=256"`` resizes kivi's).
+``"int4:recent=0"`` turns it off, ``"kivi4:residual=256"`` resizes kivi's), and every
+quantizing codec seals a sequence's rows 32 at a time (``"int8:batch=1"``: as written; kivi
+keys: 64, a group).
 
 kivi and turbo keys are quantized before RoPE in a cell cache that has a shift function
 (``Codec.pre_rope``; see ``kvcache.storage``).
@@ -32,6 +34,7 @@ from kvcache.codecs.ints import AffineRowsCodec, Int8Codec, int4
 from kvcache.codecs.kivi import kivi
 from kvcache.codecs.turbo_codec import TurboCodec
 from kvcache.errors import InvalidConfigError
+from kvcache.recent import SEAL_BATCH
 
 RECENT = 128  # newest rows of each sequence kept in fp16 by int4 / turbo / kivi
 
@@ -41,21 +44,21 @@ CODECS: dict[str, Callable[..., Codec]] = {
     "fp32": lambda key: FloatCodec(torch.float32),
     "fp16": lambda key: FloatCodec(torch.float16),
     "bf16": lambda key: FloatCodec(torch.bfloat16),
-    "int8": lambda key: Int8Codec(),
-    "int4": lambda key, recent=RECENT: int4(32, centre=key, window=recent),
-    "int4g64": lambda key, recent=RECENT: int4(64, centre=key, window=recent),
+    "int8": lambda key, batch=SEAL_BATCH: Int8Codec(batch),
+    "int4": lambda key, recent=RECENT, batch=SEAL_BATCH: int4(32, key, recent, batch),
+    "int4g64": lambda key, recent=RECENT, batch=SEAL_BATCH: int4(64, key, recent, batch),
     "kivi4": lambda key, residual=RECENT: kivi(4, per_channel=key, residual=residual),
     "kivi2": lambda key, residual=RECENT: kivi(2, per_channel=key, residual=residual),
-    "turbo4": lambda key, recent=RECENT, key_bits=5, value_bits=3: _turbo(
-        "turbo4", key, recent, key_bits, value_bits
+    "turbo4": lambda key, recent=RECENT, key_bits=5, value_bits=3, batch=SEAL_BATCH: _turbo(
+        "turbo4", key, recent, key_bits, value_bits, batch
     ),
-    "turbo3": lambda key, recent=RECENT, key_bits=4, value_bits=2: _turbo(
-        "turbo3", key, recent, key_bits, value_bits
+    "turbo3": lambda key, recent=RECENT, key_bits=4, value_bits=2, batch=SEAL_BATCH: _turbo(
+        "turbo3", key, recent, key_bits, value_bits, batch
     ),
 }
 
 
-def _turbo(name: str, key: bool, recent: int, key_bits: int, value_bits: int) -> Codec:
+def _turbo(name: str, key: bool, recent: int, key_bits: int, value_bits: int, batch: int) -> Codec:
     """Turbo codes, ``key_bits`` for keys and ``value_bits`` for values (see turbo_codec);
     2-bit values keep their norm in one byte."""
     bits = key_bits if key else value_bits
@@ -63,8 +66,10 @@ def _turbo(name: str, key: bool, recent: int, key_bits: int, value_bits: int) ->
         raise InvalidConfigError("key_bits" if key else "value_bits", bits, "an int in 1..8")
     if recent < 0:
         raise InvalidConfigError("recent", recent, "an int >= 0")
+    if batch < 1:
+        raise InvalidConfigError("batch", batch, "an int >= 1 (rows of a sequence sealed together)")
     log_scale = not key and bits <= 2
-    return TurboCodec(bits, keys=key, log_scale=log_scale, name=name, window=recent)
+    return TurboCodec(bits, keys=key, log_scale=log_scale, name=name, window=recent, batch=batch)
 
 
 def make_codec(spec: str | Codec, role: str = "key") -> Codec:

@@ -12,7 +12,7 @@ cache's :class:`~kvcache.recent.SealPlan` says (see ``kvcache.recent`` and ``win
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from kvcache.recent import SealPlan, Windows, WindowSpec
 
 Locs = torch.Tensor | slice  # cell indices (LongTensor) or a contiguous slice of cells
 
+NONE = torch.empty(0)  # an unused Layout field (never written: shared by every Layout)
 # kernel kinds (the C++ reader's switch, src/kvcache/kernels/csrc/readers.h)
 F32, F16, BF16, INT8, AFFINE_ROWS, AFFINE_CHANNELS, TURBO = range(7)
 FLOAT_KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
@@ -44,16 +45,16 @@ class Layout:
 
     kind: int
     data: torch.Tensor
-    scale: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    low: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    meta_of: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
-    meta_a: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    meta_b: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    window: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
-    residual: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    centroids: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    signs: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    rotation: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    scale: torch.Tensor = NONE
+    low: torch.Tensor = NONE
+    meta_of: torch.Tensor = NONE
+    meta_a: torch.Tensor = NONE
+    meta_b: torch.Tensor = NONE
+    window: torch.Tensor = NONE
+    residual: torch.Tensor = NONE
+    centroids: torch.Tensor = NONE
+    signs: torch.Tensor = NONE
+    rotation: torch.Tensor = NONE
     bits: int = 0
     group: int = 0
     log_scale: bool = False

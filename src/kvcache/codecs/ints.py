@@ -1,7 +1,8 @@
 """Integer codecs: int8 with a per-(token, head) scale; affine b-bit codes per row.
 
-int8 layout: codes int8 [N, H, D], scale fp16 [N, H, 1]; x ~= codes * scale, symmetric
-(absmax / 127), encoded as written (no window: 8 bits lose nothing a window would save).
+int8 layout: codes int8 [N', H, D], scale fp16 [N', H, 1]; x ~= codes * scale, symmetric
+(absmax / 127). No recent window beyond the batching of ``kvcache.recent`` (rows wait in fp16
+until 32 of a sequence are encoded at once): 8 bits lose nothing a window would save.
 
 Affine rows (``int4``, ``int4g64``, and KIVI's per-token values): codes packed 8/bits per
 byte uint8 [N', H, D*bits/8] (little end first: the low nibble is the even channel), and per
@@ -17,62 +18,64 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.codecs.base import (
-    AFFINE_ROWS,
-    INT8,
-    Buffer,
-    Codec,
-    Layout,
-    Locs,
-    grown,
-    tensor_bytes,
-)
+from kvcache.codecs.base import AFFINE_ROWS, INT8, Buffer, Codec, Layout, grown
 from kvcache.codecs.pack import pack, unpack, unpack4
-from kvcache.codecs.window import WindowedBuffer, cell_index
+from kvcache.codecs.window import WindowedBuffer
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
-from kvcache.recent import SealPlan, Windows, WindowSpec
+from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
 
 META = torch.float16  # scales and minimums: counted in nbytes like the codes
 
 
-class Int8Buffer(Buffer):
-    def __init__(self, n: int, heads: int, dim: int, device: torch.device) -> None:
-        self.codes = torch.zeros((n, heads, dim), dtype=torch.int8, device=device)  # [N, H, D]
-        self.scale = torch.zeros((n, heads, 1), dtype=META, device=device)  # [N, H, 1]
+class Int8Buffer(WindowedBuffer):
+    """int8 codes with a per-(row, head) fp16 scale."""
 
-    def store(self, locs: torch.Tensor, x: torch.Tensor, plan: SealPlan | None) -> None:
-        self.rewrite(locs, x)
+    def __init__(self, n: int, heads: int, dim: int, windows: Windows, device: torch.device):
+        super().__init__(n, heads, dim, windows, device)
+        self.codes = torch.zeros((0, heads, dim), dtype=torch.int8, device=device)  # [N', H, D]
+        self.scale = torch.zeros((0, heads, 1), dtype=META, device=device)  # [N', H, 1]
 
-    def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
-        x = x.float()
-        scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).to(META)  # [T, H, 1]
+    def _allocate(self, rows: int) -> None:
+        self.codes, self.scale = grown(self.codes, rows), grown(self.scale, rows)
+
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).to(META)  # [n, H, 1]
         safe = scale.float().clamp_min(torch.finfo(META).tiny)
         self.codes.index_copy_(0, cells, torch.round(x / safe).clamp_(-127, 127).to(torch.int8))
         self.scale.index_copy_(0, cells, scale)
 
-    def decode(self, cells: Locs, dtype: torch.dtype) -> torch.Tensor:
-        codes, scale = self.codes[cells], self.scale[cells]
-        out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    def _decode(self, cells: np.ndarray) -> torch.Tensor:
+        at = self.index(cells)
+        codes, scale = self.codes[at], self.scale[at]
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
         out.copy_(codes)  # one conversion, no float temporary
-        return out.mul_(scale.to(dtype))
+        return out.mul_(scale.float())
 
     def layout(self) -> Layout:
-        return Layout(INT8, self.codes, scale=self.scale)
+        return self.window_layout(Layout(INT8, self.codes, scale=self.scale))
 
-    def nbytes(self) -> int:
-        return tensor_bytes(self.codes, self.scale)
+    def _code_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.scale)
 
 
 class Int8Codec(Codec):
-    """8-bit symmetric codes with one fp16 scale per token and head."""
+    """8-bit symmetric codes with one fp16 scale per token and head; rows wait in fp16 until
+    ``batch`` of a sequence can be encoded together (no window beyond that)."""
 
-    name = "int8"
     any_device = True
+
+    def __init__(self, batch: int = SEAL_BATCH) -> None:
+        self.name = "int8"
+        self.spec = WindowSpec(0, 1, "none", _batch(batch))
 
     def allocate(
         self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None
     ) -> Buffer:
-        return Int8Buffer(n, heads, dim, device)
+        assert windows is not None and windows.spec == self.spec, "int8 needs its windows"
+        return Int8Buffer(n, heads, dim, windows, device)
+
+    def bytes_per_row(self, heads: int, dim: int) -> float:
+        return heads * (dim + 2)
 
 
 class AffineRowsBuffer(WindowedBuffer):
@@ -105,14 +108,14 @@ class AffineRowsBuffer(WindowedBuffer):
             grown(t, rows) for t in (self.codes, self.scale, self.low)
         )
 
-    def _encode(
-        self, cells: torch.Tensor, x: torch.Tensor, meta: int, basis: torch.Tensor | None
-    ) -> None:
-        if self.centre is not None:
+    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
+        if self.centre is not None:  # the sequence's key centre: the mean of its rows now
             self.centre = self.meta_rows(self.centre)
-            if basis is not None:
-                self.centre[meta] = basis.mean(dim=0).to(META)
-            x = x - self.centre[meta].float()
+            self.centre[meta] = basis.mean(dim=0).to(META)
+
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        if self.centre is not None:
+            x = x - self.centre[self.index(metas).long()].float()
         t, h, _ = x.shape
         levels = (1 << self.bits) - 1
         xg = x.reshape(t, h, -1, self.group)  # [T, H, D/G, G]
@@ -128,7 +131,7 @@ class AffineRowsBuffer(WindowedBuffer):
     def _decode(self, cells: np.ndarray) -> torch.Tensor:
         """q * scale + low (+ centre), float32 [n, H, D]: one uint8 -> float conversion, then
         a multiply and an add each with one broadcast operand (fast; see git history)."""
-        at = torch.from_numpy(cells).to(self.device)
+        at = self.index(cells)
         codes = self.codes[at]
         n, h, _ = codes.shape
         g = self.dim // self.group
@@ -139,7 +142,7 @@ class AffineRowsBuffer(WindowedBuffer):
         xg.mul_(self.scale[at].float().view(n, h, g, 1))
         xg.add_(self.low[at].float().view(n, h, g, 1))
         if self.centre is not None:
-            meta = torch.from_numpy(self.windows.meta_of[cells]).to(self.device)
+            meta = self.index(self.windows.meta_of[cells])
             x.add_(self.centre[meta].float())
         return x
 
@@ -169,7 +172,14 @@ class AffineRowsCodec(Codec):
     any_device = True
 
     def __init__(
-        self, bits: int, group: int, centre: bool, window: int, name: str, pre_rope: bool = False
+        self,
+        bits: int,
+        group: int,
+        centre: bool,
+        window: int,
+        name: str,
+        pre_rope: bool = False,
+        batch: int = SEAL_BATCH,
     ) -> None:
         if bits not in (2, 4):
             raise InvalidConfigError("bits", bits, "2 or 4")
@@ -179,7 +189,7 @@ class AffineRowsCodec(Codec):
             raise InvalidConfigError("recent", window, "an int >= 0")
         self.bits, self.group, self.centre, self.name = bits, group, centre, name
         self.pre_rope = pre_rope
-        self.spec = WindowSpec(window, 1, "sequence" if centre else "none")
+        self.spec = WindowSpec(window, 1, "sequence" if centre else "none", _batch(batch))
 
     def allocate(
         self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None
@@ -193,9 +203,18 @@ class AffineRowsCodec(Codec):
         return heads * (dim * self.bits / 8 + 2 * 2 * dim / self.group)
 
 
-def int4(group: int = 32, centre: bool = False, window: int = 128) -> AffineRowsCodec:
+def int4(
+    group: int = 32, centre: bool = False, window: int = 128, batch: int = SEAL_BATCH
+) -> AffineRowsCodec:
     """4-bit affine codes (``int4``: groups of 32 channels; ``int4g64``: 64)."""
-    return AffineRowsCodec(4, group, centre, window, "int4" if group == 32 else f"int4g{group}")
+    name = "int4" if group == 32 else f"int4g{group}"
+    return AffineRowsCodec(4, group, centre, window, name, batch=batch)
 
 
-__all__ = ["AffineRowsCodec", "Int8Codec", "cell_index", "int4"]
+def _batch(batch: int) -> int:
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise InvalidConfigError("batch", batch, "an int >= 1 (rows of a sequence sealed together)")
+    return batch
+
+
+__all__ = ["AffineRowsCodec", "Int8Codec", "int4"]

@@ -44,17 +44,18 @@ class ChannelBuffer(WindowedBuffer):
     def _allocate(self, rows: int) -> None:
         self.codes = grown(self.codes, rows)
 
-    def _encode(
-        self, cells: torch.Tensor, x: torch.Tensor, meta: int, basis: torch.Tensor | None
-    ) -> None:
+    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
+        """A group's channel ranges over its rows."""
         self.scale, self.low = self.meta_rows(self.scale), self.meta_rows(self.low)
+        low, high = basis.amin(dim=0), basis.amax(dim=0)  # [H, D]
+        self.scale[meta] = ((high - low) / ((1 << self.bits) - 1)).to(META)
+        self.low[meta] = low.to(META)
+
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
         levels = (1 << self.bits) - 1
-        if basis is not None:  # a fresh group: its channels' ranges over its rows
-            low, high = basis.amin(dim=0), basis.amax(dim=0)  # [H, D]
-            self.scale[meta] = ((high - low) / levels).to(META)
-            self.low[meta] = low.to(META)
-        scale = self.scale[meta].float().clamp_min(torch.finfo(META).tiny)
-        q = torch.round((x - self.low[meta].float()) / scale).clamp_(0, levels)
+        at = self.index(metas).long()
+        scale = self.scale[at].float().clamp_min(torch.finfo(META).tiny)  # [n, H, D]
+        q = torch.round((x - self.low[at].float()) / scale).clamp_(0, levels)
         self.codes.index_copy_(0, cells, pack(q.to(torch.uint8), self.bits))
 
     def _reencode(self, cells: np.ndarray, x: torch.Tensor) -> None:
@@ -64,17 +65,18 @@ class ChannelBuffer(WindowedBuffer):
             members = np.flatnonzero(self.windows.meta_of == meta)
             rows = self._decode(members)
             at = np.searchsorted(members, cells[metas == meta])
-            rows[torch.from_numpy(at)] = x[torch.from_numpy(metas == meta)]
+            rows[self.index(at)] = x[self.index(metas == meta)]
             rows = rows.to(torch.float16).float()
-            self._encode(torch.from_numpy(members).to(self.device), rows, meta, rows)
+            self._fresh(meta, rows)
+            self._encode(self.index(members), rows, np.full(len(members), meta))
 
     def _decode(self, cells: np.ndarray) -> torch.Tensor:
-        at = torch.from_numpy(cells).to(self.device)
+        at = self.index(cells)
         codes = self.codes[at]
         q = unpack4(codes) if self.bits == 4 else unpack(codes, self.bits)
         x = torch.empty((len(cells), self.heads, self.dim), dtype=torch.float32, device=self.device)
         x.copy_(q.view(x.shape))
-        meta = torch.from_numpy(self.windows.meta_of[cells]).to(self.device)
+        meta = self.index(self.windows.meta_of[cells])
         return x.mul_(self.scale[meta].float()).add_(self.low[meta].float())
 
     def layout(self) -> Layout:
@@ -100,7 +102,7 @@ class KiviKeyCodec(Codec):
 
     def __init__(self, bits: int, group: int, residual: int) -> None:
         self.bits, self.group, self.name = bits, group, f"kivi{bits}"
-        self.spec = WindowSpec(residual, group, "group")
+        self.spec = WindowSpec(residual, group, "group", batch=group)
 
     def allocate(
         self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None

@@ -38,7 +38,7 @@ import torch
 from kvcache.codecs.base import TURBO, Buffer, Codec, Layout, grown
 from kvcache.codecs.turbo import SCALE_DTYPE, Encoded, HeadStack, TurboQuantizer, packed_width
 from kvcache.codecs.window import WindowedBuffer
-from kvcache.recent import Windows, WindowSpec
+from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
 
 CENTRE = torch.float16
 
@@ -71,14 +71,14 @@ class TurboBuffer(WindowedBuffer):
     def _allocate(self, rows: int) -> None:
         self.codes, self.scale = grown(self.codes, rows), grown(self.scale, rows)
 
-    def _encode(
-        self, cells: torch.Tensor, x: torch.Tensor, meta: int, basis: torch.Tensor | None
-    ) -> None:
-        if self.centre is not None:
+    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
+        if self.centre is not None:  # the sequence's key centre: the mean of its rows now
             self.centre = self.meta_rows(self.centre)
-            if basis is not None:
-                self.centre[meta] = basis.mean(dim=0).to(CENTRE)
-            x = x - self.centre[meta].float()
+            self.centre[meta] = basis.mean(dim=0).to(CENTRE)
+
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        if self.centre is not None:
+            x = x - self.centre[self.index(metas).long()].float()
         encoded = self.stack.encode(x.transpose(0, 1), None, self.keys)  # per head
         codes = torch.stack([e.codes for e in encoded], dim=1)  # [T, H, W]
         scale = torch.stack([e.scale for e in encoded], dim=1)  # [T, H, 1]
@@ -88,7 +88,7 @@ class TurboBuffer(WindowedBuffer):
         self.scale.index_copy_(0, cells, scale)
 
     def _decode(self, cells: np.ndarray) -> torch.Tensor:
-        at = torch.from_numpy(cells).to(self.device)
+        at = self.index(cells)
         codes, scale = self.codes[at], self.scale[at]
         if self.log_scale:
             scale = _log_decode(scale)
@@ -104,7 +104,7 @@ class TurboBuffer(WindowedBuffer):
             rows.append(q.decode_keys(enc) if self.keys else q.decode_values(enc))
         x = torch.stack(rows, dim=1)  # [n, H, D] float32
         if self.centre is not None:
-            meta = torch.from_numpy(self.windows.meta_of[cells]).to(self.device)
+            meta = self.index(self.windows.meta_of[cells])
             x.add_(self.centre[meta].float())
         return x
 
@@ -145,11 +145,12 @@ class TurboCodec(Codec):
         log_scale: bool = False,
         name: str = "",
         window: int = 128,
+        batch: int = SEAL_BATCH,
     ) -> None:
         self.bits, self.keys, self.seed, self.log_scale = bits, keys, seed, log_scale
         self.name = name or f"turbo{bits}"
         self.pre_rope = keys
-        self.spec = WindowSpec(window, 1, "sequence" if keys else "none")
+        self.spec = WindowSpec(window, 1, "sequence" if keys else "none", batch)
 
     def allocate(
         self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None

@@ -44,20 +44,27 @@ class WindowedBuffer(Buffer):
         self.windows = windows
         self.spec = windows.spec
         self.device = device
+        self.on_cpu = device.type == "cpu"
         self.residual = torch.zeros((0, heads, dim), dtype=RESIDUAL, device=device)
         self.rows = 0  # cells with codes allocated (the codes tensors' first dimension)
+
+    def index(self, a: np.ndarray) -> torch.Tensor:
+        """A numpy array as a tensor on the buffer's device (shared memory on the CPU)."""
+        t = torch.from_numpy(a)
+        return t if self.on_cpu else t.to(self.device)
 
     # ---- what subclasses provide ----------------------------------------------------------
     @abstractmethod
     def _allocate(self, rows: int) -> None:
         """Grow every per-cell code tensor to ``rows`` rows (keeping their contents)."""
 
+    def _fresh(self, meta: int, basis: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Set record ``meta`` from the rows ``basis`` [m, H, D] (codecs with records)."""
+
     @abstractmethod
-    def _encode(
-        self, cells: torch.Tensor, x: torch.Tensor, meta: int, basis: torch.Tensor | None
-    ) -> None:
-        """Encode rows ``x`` [n, H, D] (float32, fp16-exact) into ``cells``, all with
-        metadata record ``meta``; ``basis`` [m, H, D]: the rows a fresh record comes from."""
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        """Encode rows ``x`` [n, H, D] (float32, fp16-exact) into ``cells`` [n], row i with
+        metadata record ``metas[i]`` (-1: none); one call encodes a whole seal plan."""
 
     @abstractmethod
     def _decode(self, cells: np.ndarray) -> torch.Tensor:
@@ -74,18 +81,22 @@ class WindowedBuffer(Buffer):
             plan = SealPlan.everything(new)
         rows = x.to(RESIDUAL)  # [T, H, D]: what a window keeps, and what is encoded
         values = rows.float()
-        for group in plan.groups:  # read every sealed row before a kept row reuses its slot
-            x_g = self._rows(group.cells, group.slots, new, values)
-            basis = None
-            if group.fresh and len(group.basis):
-                basis = self._rows(group.basis, group.basis_slots, new, values)
-            self._reserve(int(group.cells.max()) + 1)
-            self._encode(torch.from_numpy(group.cells).to(self.device), x_g, group.meta, basis)
+        if plan.groups:  # read every sealed row before a kept row reuses its slot
+            for group in plan.groups:
+                if group.fresh and len(group.basis):
+                    basis = self._rows(group.basis, group.basis_slots, new, values)
+                    self._fresh(group.meta, basis)
+            cells = np.concatenate([g.cells for g in plan.groups])
+            slots = np.concatenate([g.slots for g in plan.groups])
+            metas = np.concatenate([np.full(len(g.cells), g.meta) for g in plan.groups])
+            self._reserve(int(cells.max()) + 1)
+            at = self.index(cells)
+            self._encode(at, self._rows(cells, slots, new, values), metas)
         self._fit_window()
         if len(plan.keep):
-            idx = torch.from_numpy(np.searchsorted(new, plan.keep)).to(self.device)
-            slots = torch.from_numpy(plan.keep_slots.astype(np.int64)).to(self.device)
-            self.residual.index_copy_(0, slots, rows.index_select(0, idx))
+            idx = self.index(np.searchsorted(new, plan.keep))
+            kept = self.index(plan.keep_slots.astype(np.int64))
+            self.residual.index_copy_(0, kept, rows.index_select(0, idx))
 
     def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
         idx = cell_index(cells)
@@ -93,20 +104,17 @@ class WindowedBuffer(Buffer):
         rows = x.to(RESIDUAL)
         open_ = slots >= 0
         if open_.any():
-            at = torch.from_numpy(slots[open_].astype(np.int64)).to(self.device)
-            self.residual.index_copy_(0, at, rows[torch.from_numpy(open_).to(self.device)])
+            at = self.index(slots[open_].astype(np.int64))
+            self.residual.index_copy_(0, at, rows[self.index(open_)])
         coded = ~open_
         if coded.any():
-            sel = torch.from_numpy(coded).to(self.device)
+            sel = self.index(coded)
             self._reencode(idx[coded], rows[sel].float())
 
     def _reencode(self, cells: np.ndarray, x: torch.Tensor) -> None:
         """Encode new rows into sealed cells with the metadata they already have."""
-        metas = self.windows.meta_of[cells]
-        for meta in np.unique(metas).tolist():
-            sel = metas == meta
-            at = torch.from_numpy(cells[sel]).to(self.device)
-            self._encode(at, x[torch.from_numpy(sel).to(self.device)], meta, None)
+        at = self.index(cells)
+        self._encode(at, x, self.windows.meta_of[cells])
 
     def decode(self, cells: Locs, dtype: torch.dtype) -> torch.Tensor:
         idx = cell_index(cells)
@@ -115,10 +123,10 @@ class WindowedBuffer(Buffer):
         open_ = slots >= 0
         coded = ~open_ & (idx < self.rows)  # neither: a free cell never encoded (zeros)
         if coded.any():
-            out[torch.from_numpy(coded).to(self.device)] = self._decode(idx[coded])
+            out[self.index(coded)] = self._decode(idx[coded])
         if open_.any():
-            at = torch.from_numpy(slots[open_].astype(np.int64)).to(self.device)
-            out[torch.from_numpy(open_).to(self.device)] = self.residual[at].float()
+            at = self.index(slots[open_].astype(np.int64))
+            out[self.index(open_)] = self.residual[at].float()
         return out.to(dtype)
 
     def window_layout(self, layout: Layout) -> Layout:
@@ -140,12 +148,10 @@ class WindowedBuffer(Buffer):
         if fresh.any():
             pos = np.searchsorted(new, cells[fresh])
             assert np.array_equal(new[pos], cells[fresh]), f"cells {cells[fresh]} not new"
-            out[torch.from_numpy(fresh).to(self.device)] = values[
-                torch.from_numpy(pos).to(self.device)
-            ]
+            out[self.index(fresh)] = values[self.index(pos)]
         if (~fresh).any():
-            at = torch.from_numpy(slots[~fresh].astype(np.int64)).to(self.device)
-            out[torch.from_numpy(~fresh).to(self.device)] = self.residual[at].float()
+            at = self.index(slots[~fresh].astype(np.int64))
+            out[self.index(~fresh)] = self.residual[at].float()
         return out
 
     def _reserve(self, rows: int) -> None:

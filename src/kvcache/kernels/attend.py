@@ -21,6 +21,7 @@ from kvcache.kernels.plan import AttentionPlan, Tile
 
 TILE_CELLS = 2048  # cells decoded at a time by the tile path
 _NEG_INF = float("-inf")
+_EMPTY = torch.empty(0)
 
 
 def layout_args(layout: Layout, pre_rope: bool) -> tuple[list[torch.Tensor], list[int]]:
@@ -64,23 +65,20 @@ def attend(
     ext = extension()
     t, hq, d = q.shape
     q32 = q.to(torch.float32).contiguous()
-    n = plan.entries.shape[0]
-    pm = torch.empty((n, hq))
-    pl = torch.empty((n, hq))
-    pacc = torch.empty((n, hq, d))
-    paccr = torch.zeros((n, hq, d)) if values.rotated else torch.empty(0)
     k_args = layout_args(keys, pre_rope)
     v_args = layout_args(values, False)
-    cos, sin = rope if rope is not None else (torch.empty(0), torch.empty(0))
-    if plan.kernel_entries:
-        ext.partials(
-            q32, plan.cells, plan.pos, plan.segs, plan.entries, *k_args, *v_args,
-            kv_heads, cos, sin, scale, pm, pl, pacc, paccr,
-        )  # fmt: skip
-    for tile in plan.tiles:
-        m, acc = _tile(ext, q32, plan, tile, k_args, v_args, kv_heads, scale, cos, sin)
-        pm[tile.entries], pl[tile.entries], pacc[tile.entries] = m, 1.0, acc
-    out, outr = ext.merge(pm, pl, pacc, paccr, plan.row_ptr, plan.row_entries)
+    cos, sin = rope if rope is not None else (_EMPTY, _EMPTY)
+    common = (q32, plan.cells, plan.pos, plan.segs, plan.entries, *k_args, *v_args, kv_heads)
+    if not plan.tiles:  # decode steps: one call computes and merges
+        out, outr = ext.attend(*common, cos, sin, scale, plan.row_ptr, plan.row_entries)
+    else:
+        pm, pl, pacc, paccr = ext.partials(*common, cos, sin, scale)
+        for tile in plan.tiles:
+            m, acc = _tile(ext, q32, plan, tile, k_args, v_args, kv_heads, scale, cos, sin)
+            pm[tile.entries], pl[tile.entries], pacc[tile.entries] = m, 1.0, acc
+            if values.rotated:
+                paccr[tile.entries] = 0.0  # the tile path sums plain rows
+        out, outr = ext.merge(pm, pl, pacc, paccr, plan.row_ptr, plan.row_entries)
     if values.rotated:  # turbo values: sum_j w_j R^T c_j = R^T sum_j w_j c_j, per KV head
         g = hq // kv_heads
         back = values.rotation  # [Hkv, D, P]: x = y @ rotation[h].T

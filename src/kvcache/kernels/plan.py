@@ -26,7 +26,7 @@ from kvcache.cells import Cells
 
 TILE_ROWS = 16  # segments with more entries than this attend through the tile path
 MIN_PIECE = 512  # cells: long segments are split into pieces no shorter than this
-ITEMS_PER_THREAD = 4  # aim for this many (piece, KV head) work items per thread
+ITEMS_PER_THREAD = 4  # aim for this many pieces (work items) per thread
 
 
 @dataclass(frozen=True)
@@ -123,12 +123,13 @@ def _narrow(seg: Segment, bounds: RowBounds) -> Segment:
 
 
 def _split(segments: list[Segment], kv_heads: int, threads: int) -> list[Segment]:
-    """Long segments in pieces, so that (pieces x KV heads) keeps every thread busy."""
+    """Long segments in pieces, so that the pieces (the kernel's work items, every KV head
+    each) keep every thread busy."""
     want = ITEMS_PER_THREAD * threads
-    if len(segments) * kv_heads >= want or not segments:
+    if len(segments) >= want or not segments:
         return segments
     total = sum(len(s[0]) for s in segments)
-    piece = max(MIN_PIECE, -(-total * kv_heads // want))
+    piece = max(MIN_PIECE, -(-total // want))
     out: list[Segment] = []
     for cells, pos, rows in segments:
         for i in range(0, len(cells), piece):

@@ -66,9 +66,9 @@ Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>&
 void decode(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a, int b,
             float* tile, const float** rows, uint8_t* dom, const Rope& rope);
 
-// Ask the memory system for the rows of cells[0:n] of head h (the next tile, while this one
-// is computed): the loads of a tile are scattered rows, which hardware prefetchers miss.
-void prefetch(const Reader& r, int64_t h, const int32_t* cells, int n);
+// Ask the memory system for the rows [H, *] of cells[0:n] (the next tile, while this one is
+// computed): a tile's cells may be scattered, which hardware prefetchers miss.
+void prefetch(const Reader& r, const int32_t* cells, int n);
 
 // Inverse turbo rotation in place: y [P] -> x [D] (fwht(y) * signs, first D entries).
 void turbo_unrotate(const float* signs, float* y, int64_t P);
