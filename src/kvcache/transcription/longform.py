@@ -101,9 +101,13 @@ def split_segments(
         if single_ending:  # no speech after the last timestamp: the window is done
             return out, window_frames
         return out, (tokens[last - 1] - tb) * FRAMES_PER_TIMESTAMP
-    stamps = [t - tb for t in tokens if t >= tb]
-    end = stamps[-1] if stamps and stamps[-1] != 0 else window_frames // FRAMES_PER_TIMESTAMP
-    return [_Cut(stamps[0] if stamps else 0, end, tokens)], window_frames
+    # one segment: it ends at its closing timestamp, else at the window's end (OpenAI and
+    # faster-whisper end it at its *opening* timestamp when that is not <|0.00|>, and then
+    # drop it as instantaneous: its text would be lost)
+    start = tokens[0] - tb if tokens and is_ts[0] else 0
+    closed = len(tokens) >= 2 and is_ts[-1] and tokens[-1] - tb > start
+    end = tokens[-1] - tb if closed else window_frames // FRAMES_PER_TIMESTAMP
+    return [_Cut(start, end, tokens)], window_frames
 
 
 class LongForm:
