@@ -111,16 +111,28 @@ PAUSES_S = [0.4, 0.7, 2.2, 0.5, 0.9, 1.8, 0.6, 0.45, 1.2, 0.8]  # cycled; long o
 
 @dataclass(frozen=True)
 class ClipSpec:
-    """A clip: at least ``seconds`` of speech, sentences from ``first`` on (cycling)."""
+    """A clip: at least ``seconds`` of speech, sentences from ``first`` on (cycling).
+
+    ``voice`` / ``pause`` fix one voice and one pause for the whole clip, and such a clip
+    keeps its natural layout (no sentence moved onto a boundary)."""
 
     name: str
     seconds: float
     first: int
+    voice: tuple[str, str, float] | None = None
+    pause: float | None = None
 
 
 CLIPS = {
     c.name: c
-    for c in (ClipSpec("long45", 45.0, 0), ClipSpec("long90", 90.0, 12), ClipSpec("long180", 180.0, 5))
+    for c in (
+        ClipSpec("long45", 45.0, 0),
+        ClipSpec("long90", 90.0, 12),
+        ClipSpec("long180", 180.0, 5),
+        # one flite voice, even pauses: the clip whose 6th sentence (just after the first
+        # window's last segment) the loop without previous-text prompts dropped
+        ClipSpec("slt40", 40.0, 0, ("flite", "slt", 1.0), 0.5),
+    )
 }
 
 
@@ -162,11 +174,13 @@ def _crossing_start(start: float, dur: float, pause: float) -> float:
 def layout(spec: ClipSpec, duration: Callable[[int], float]) -> list[tuple[int, float]]:
     """(sentence index, start second) of each sentence of a clip."""
     out: list[tuple[int, float]] = []
-    t, i = 0.3, 0
+    t, i = (0.3, 0) if spec.pause is None else (0.0, 0)
     while not out or t < spec.seconds - 1.0:
         k = (spec.first + i) % len(SENTENCES)
-        dur, pause = duration(k), PAUSES_S[i % len(PAUSES_S)]
-        t = _crossing_start(t, dur, pause)
+        dur = duration(k)
+        pause = PAUSES_S[i % len(PAUSES_S)] if spec.pause is None else spec.pause
+        if spec.pause is None:
+            t = _crossing_start(t, dur, pause)
         out.append((k, t))
         t += dur + pause
         i += 1
@@ -176,7 +190,7 @@ def layout(spec: ClipSpec, duration: Callable[[int], float]) -> list[tuple[int, 
 
 def make_clip(spec: ClipSpec, out_dir: Path) -> list[Spoken]:
     """Write ``spec.name``.wav and .json into ``out_dir``; the sentences as spoken."""
-    voices = [VOICES[k % len(VOICES)] for k in range(len(SENTENCES))]
+    voices = [spec.voice or VOICES[k % len(VOICES)] for k in range(len(SENTENCES))]
     audio: dict[int, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
 
