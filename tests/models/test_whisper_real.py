@@ -71,8 +71,7 @@ def test_fixture_transcript(tr: Transcriber, ct2: ctranslate2.models.Whisper, na
 def test_most_fixtures_are_heard_right(tr: Transcriber) -> None:
     """Guard on the fixtures themselves: tiny.en gets at least 4 of the 6 sentences exactly."""
     right = sum(
-        normalise(tr.tokenizer.decode(tr.decode_window(_features(n))))
-        == normalise(s)
+        normalise(tr.tokenizer.decode(tr.decode_window(_features(n)))) == normalise(s)
         for n, s in SENTENCES.items()
     )
     assert right >= 4
@@ -119,9 +118,7 @@ def test_timestamps_match_ctranslate2(tr: Transcriber, ct2: ctranslate2.models.W
     assert tr.tokenizer.is_timestamp(ours[0]) and tr.tokenizer.is_timestamp(ours[-1])
 
 
-def test_decoder_logits_match_ctranslate2(
-    tr: Transcriber, ct2: ctranslate2.models.Whisper
-) -> None:
+def test_decoder_logits_match_ctranslate2(tr: Transcriber, ct2: ctranslate2.models.Whisper) -> None:
     """Cached step logits of every generated token vs CTranslate2's own (return_logits_vocab)."""
     feats = _features("trip.wav")
     view = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats[None].numpy()))
