@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from whisper_reference import beam_uncached, greedy_uncached
 
 from kvcache import CausalCache, EncoderCache, WrapperCache
 from kvcache.errors import CacheFullError, DimensionMismatchError, InvalidArgumentError
@@ -19,7 +20,6 @@ from kvcache.models.whisper_decode import (
 from kvcache.text.whisper_tokenizer import SpecialTokens
 from kvcache.transcription.rules import LogitRules
 from kvcache.transcription.search import BeamSearch, SampleSearch, SearchSpec, run_search
-from whisper_reference import beam_uncached, greedy_uncached
 
 PROMPT = [50258, 50259, 50359, 50363]
 SMALL = WhisperConfig(

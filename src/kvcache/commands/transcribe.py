@@ -36,31 +36,86 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     add = parser.add_argument
     add("files", metavar="FILE", nargs="+", help="audio files to transcribe")
-    add("--output-format", "-f", choices=FORMATS, default=None,
-        help="write FILE's transcript as DIR/<name>.<format> (all = every format)")
-    add("--output-dir", "-o", metavar="DIR", type=Path, default=None,
-        help="where transcript files go (default: the current directory)")
-    add("--beam-size", type=int, default=1, metavar="N",
-        help="beams of beam search at temperature 0; 1 = greedy (default: 1)")
-    add("--best-of", type=int, default=5, metavar="N",
-        help="samples drawn at a temperature above 0 (default: 5)")
-    add("--temperature", type=float, default=0.0, metavar="T",
-        help="the first decoding temperature (default: 0)")
-    add("--temperature-increment-on-fallback", type=float, default=0.2, metavar="F",
-        help="temperature step of the fallback up to 1.0; 0 = no fallback (default: 0.2)")
-    add("--initial-prompt", metavar="TEXT", default=None,
-        help="text the first window is prompted with (names, spelling, style)")
-    add("--no-condition-on-previous-text", action="store_true",
-        help="do not prompt each window with the text before it")
-    add("--without-timestamps", action="store_true",
-        help="decode no timestamps: windows back to back, one segment each")
+    add(
+        "--output-format",
+        "-f",
+        choices=FORMATS,
+        default=None,
+        help="write FILE's transcript as DIR/<name>.<format> (all = every format)",
+    )
+    add(
+        "--output-dir",
+        "-o",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="where transcript files go (default: the current directory)",
+    )
+    add(
+        "--beam-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="beams of beam search at temperature 0; 1 = greedy (default: 1)",
+    )
+    add(
+        "--best-of",
+        type=int,
+        default=5,
+        metavar="N",
+        help="samples drawn at a temperature above 0 (default: 5)",
+    )
+    add(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="the first decoding temperature (default: 0)",
+    )
+    add(
+        "--temperature-increment-on-fallback",
+        type=float,
+        default=0.2,
+        metavar="F",
+        help="temperature step of the fallback up to 1.0; 0 = no fallback (default: 0.2)",
+    )
+    add(
+        "--initial-prompt",
+        metavar="TEXT",
+        default=None,
+        help="text the first window is prompted with (names, spelling, style)",
+    )
+    add(
+        "--no-condition-on-previous-text",
+        action="store_true",
+        help="do not prompt each window with the text before it",
+    )
+    add(
+        "--without-timestamps",
+        action="store_true",
+        help="decode no timestamps: windows back to back, one segment each",
+    )
     add("--timestamps", action="store_true", help="print segment start/end times")
-    add("--model", metavar="DIR", default=None,
-        help="CTranslate2 Whisper directory (default: bundled tiny.en)")
-    add("--max-batch", type=int, default=8, metavar="N",
-        help="files decoded together at most (default: 8)")
-    add("--threads", type=int, default=None, metavar="N",
-        help="torch CPU threads (default: torch's)")
+    add(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="CTranslate2 Whisper directory (default: bundled tiny.en)",
+    )
+    add(
+        "--max-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="files decoded together at most (default: 8)",
+    )
+    add(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (default: torch's)",
+    )
     add("--no-progress", action="store_true", help="hide the progress bar")  # fmt: skip
 
 
