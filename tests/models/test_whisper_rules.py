@@ -75,8 +75,9 @@ def test_split_segments_and_seek() -> None:
     hello, world = tok.encode(" Hello"), tok.encode(" world")
 
     def spans(tokens: list[int], frames: int = 3000) -> tuple[list[tuple[int, int, str]], int]:
+        """(start, end) in 0.02 s steps (end rounded down when it is the window's end)."""
         cuts, seek = split_segments(tokens, TB, frames)
-        return [(c.start, c.end, tok.decode(c.tokens)) for c in cuts], seek
+        return [(round(c.start * 50), int(c.end * 50), tok.decode(c.tokens)) for c in cuts], seek
 
     # two closed segments ending on a single timestamp: no speech after it, the window is done
     assert spans([TB, *hello, TB + 50, TB + 50, *world, TB + 120]) == (
@@ -91,5 +92,6 @@ def test_split_segments_and_seek() -> None:
     assert spans([TB, *hello, TB + 50, TB + 50, *world]) == ([(0, 50, " Hello")], 100)
     # one segment without a closing timestamp, or no timestamps: the whole window
     assert spans([TB + 3, *hello], frames=1500) == ([(3, 750, " Hello")], 1500)
+    assert split_segments([TB + 3, *hello], TB, 1501)[0][0].end == 15.01  # to the last frame
     assert spans([*hello], frames=1500) == ([(0, 750, " Hello")], 1500)
     assert spans([TB, *hello, TB + 40]) == ([(0, 40, " Hello")], 3000)

@@ -77,9 +77,12 @@ def compression_ratio(text: str) -> float:
 
 @dataclass(frozen=True)
 class _Cut:
-    start: int  # timestamp index (0.02 s steps) from the window start
-    end: int
+    start: float  # seconds from the window start
+    end: float
     tokens: list[int]
+
+
+SECONDS_PER_TIMESTAMP = FRAMES_PER_TIMESTAMP / FRAMES_PER_SECOND  # 0.02
 
 
 def split_segments(
@@ -96,7 +99,8 @@ def split_segments(
         out, last = [], 0
         for cut in cuts:
             part = tokens[last:cut]
-            out.append(_Cut(part[0] - tb, part[-1] - tb, part))
+            start, end = (part[0] - tb, part[-1] - tb)
+            out.append(_Cut(start * SECONDS_PER_TIMESTAMP, end * SECONDS_PER_TIMESTAMP, part))
             last = cut
         if single_ending:  # no speech after the last timestamp: the window is done
             return out, window_frames
@@ -106,8 +110,8 @@ def split_segments(
     # drop it as instantaneous: its text would be lost)
     start = tokens[0] - tb if tokens and is_ts[0] else 0
     closed = len(tokens) >= 2 and is_ts[-1] and tokens[-1] - tb > start
-    end = tokens[-1] - tb if closed else window_frames // FRAMES_PER_TIMESTAMP
-    return [_Cut(start, end, tokens)], window_frames
+    end = (tokens[-1] - tb) * SECONDS_PER_TIMESTAMP if closed else window_frames / FRAMES_PER_SECOND
+    return [_Cut(start * SECONDS_PER_TIMESTAMP, end, tokens)], window_frames
 
 
 class LongForm:
@@ -187,11 +191,10 @@ class LongForm:
     def _add_segments(self, d: Decoded, ratio: float) -> None:
         frames, offset = self.window_frames, self.seek / FRAMES_PER_SECOND
         if self.options.without_timestamps:
-            cuts = [_Cut(0, frames // FRAMES_PER_TIMESTAMP, d.tokens)]
+            cuts = [_Cut(0.0, frames / FRAMES_PER_SECOND, d.tokens)]
             advance = frames
         else:
             cuts, advance = split_segments(d.tokens, self.tok.special.timestamp_begin, frames)
-        step = FRAMES_PER_TIMESTAMP / FRAMES_PER_SECOND  # seconds per timestamp index
         for cut in cuts:
             text = self.tok.decode(cut.tokens)
             if cut.start == cut.end or not text.strip():
@@ -199,7 +202,7 @@ class LongForm:
             self.history.extend(cut.tokens)
             self.segments.append(
                 Segment(
-                    offset + cut.start * step, offset + cut.end * step, text, tuple(cut.tokens),
+                    offset + cut.start, offset + cut.end, text, tuple(cut.tokens),
                     d.avg_logprob, d.no_speech_prob, ratio, d.temperature,
                 )
             )  # fmt: skip
