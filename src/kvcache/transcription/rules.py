@@ -39,19 +39,27 @@ class LogitRules:
         """Row i of logits [T, n_vocab] follows generated tokens ``histories[i]``."""
         if len(self.suppress):
             logits[:, self.suppress] = -torch.inf
-        for row, hist in zip(logits, histories, strict=True):
+        check = []  # rows whose timestamps may be forced by their total probability
+        for i, (row, hist) in enumerate(zip(logits, histories, strict=True)):
             if not hist and len(self.suppress_begin):
                 row[self.suppress_begin] = -torch.inf
-            if self.timestamps:
-                self._timestamp_rules(row, hist)
+            if self.timestamps and self._timestamp_rules(row, hist):
+                check.append(i)
+        if check:  # one log-softmax for all those rows, after every other rule
+            tb = self.sp.timestamp_begin
+            logp = logits[check].float().log_softmax(-1)  # [C, V]
+            forced = logp[:, tb:].logsumexp(-1) > logp[:, :tb].max(-1).values  # [C]
+            for i in torch.tensor(check)[forced].tolist():
+                logits[i, :tb] = -torch.inf
 
-    def _timestamp_rules(self, row: torch.Tensor, hist: Sequence[int]) -> None:
+    def _timestamp_rules(self, row: torch.Tensor, hist: Sequence[int]) -> bool:
+        """Mask ``row`` in place; True when the timestamp-probability check applies to it."""
         tb, eot = self.sp.timestamp_begin, self.sp.eot
         row[self.sp.no_timestamps] = -torch.inf
         if not hist:  # begin with a timestamp, and an early one
             row[:tb] = -torch.inf
             row[tb + MAX_INITIAL_TIMESTAMP_INDEX + 1 :] = -torch.inf
-            return
+            return False
         check_probability = True
         if hist[-1] >= tb:
             penultimate = hist[-2] if len(hist) >= 2 else hist[-1]
@@ -63,7 +71,4 @@ class LogitRules:
         last_ts = next((t for t in reversed(hist) if t >= tb), None)
         if last_ts is not None:  # timestamps never decrease
             row[tb:last_ts] = -torch.inf
-        if check_probability:
-            logp = row.float().log_softmax(-1)
-            if logp[tb:].logsumexp(-1) > logp[:tb].max():
-                row[:tb] = -torch.inf
+        return check_probability

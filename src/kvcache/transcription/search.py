@@ -114,7 +114,7 @@ class _Sample:
 
 class SampleSearch(Search):
     """``len(seqs)`` candidates, each its own sequence: argmax at temperature 0, else samples
-    from softmax(logits / T) drawn from ``generator`` (deterministic for a seed)."""
+    from softmax(logits / T) drawn with ``generator`` (deterministic for a seed)."""
 
     def __init__(
         self, spec: SearchSpec, seqs: list[int], generator: torch.Generator | None = None
@@ -144,8 +144,9 @@ class SampleSearch(Search):
         if t == 0:
             picked = logits.argmax(-1)  # [R]
         else:
-            probs = (logits.float() / t).softmax(-1)  # [R, V]
-            picked = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+            # a draw from softmax(logits / t) by the Gumbel-max trick (multinomial is slow here)
+            u = torch.rand(logits.shape, generator=self.generator).clamp_(min=1e-30)  # [R, V]
+            picked = (logits.float() / t - (-u.log()).log()).argmax(-1)  # [R]
         eot = self.spec.rules.sp.eot
         for s, token, row in zip(live, picked.tolist(), logp, strict=True):
             s.logprob += float(row[token])
