@@ -99,8 +99,8 @@ def split_segments(
         out, last = [], 0
         for cut in cuts:
             part = tokens[last:cut]
-            start, end = (part[0] - tb, part[-1] - tb)
-            out.append(_Cut(start * SECONDS_PER_TIMESTAMP, end * SECONDS_PER_TIMESTAMP, part))
+            first, last_ts = part[0] - tb, part[-1] - tb
+            out.append(_Cut(first * SECONDS_PER_TIMESTAMP, last_ts * SECONDS_PER_TIMESTAMP, part))
             last = cut
         if single_ending:  # no speech after the last timestamp: the window is done
             return out, window_frames
