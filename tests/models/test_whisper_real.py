@@ -160,6 +160,9 @@ def test_transcribe_long_audio_in_windows(tr: Transcriber) -> None:
 
 
 def test_transcribe_function_on_a_path_and_an_array() -> None:
+    import kvcache
+
+    assert kvcache.transcribe is transcribe and callable(kvcache.transcribe)
     path = FIXTURES / "meeting.wav"
     a = transcribe(path)
     b = transcribe(load_audio(path), beam_size=2)
