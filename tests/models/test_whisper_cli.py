@@ -115,3 +115,15 @@ def test_errors_are_reported(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert "--temperature=1.5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["transcribe", str(FIXTURES / "trip.wav"), "--output-format", "doc"])
+
+
+def test_cli_formats_and_fallback_ladder_match_the_library() -> None:
+    from kvcache.commands.transcribe import FORMATS
+    from kvcache.transcription import TEMPERATURES
+    from kvcache.transcription.options import temperature_ladder
+    from kvcache.transcription.writers import FORMATS as WRITTEN
+
+    assert FORMATS == WRITTEN
+    assert temperature_ladder(0.0, 0.2) == TEMPERATURES  # --temperature 0 (the default)
+    assert temperature_ladder(0.5, 0.2) == (0.5, 0.7, 0.9)
+    assert temperature_ladder(0.3, 0.0) == (0.3,)  # increment 0: no fallback

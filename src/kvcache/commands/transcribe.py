@@ -154,12 +154,11 @@ def _print(name: str | None, result: Any, timestamps: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     """Transcribe ``args.files`` together; print each text and write the asked files."""
     import torch
-    from tqdm import tqdm
 
     from kvcache.errors import KVCacheError
     from kvcache.transcription import TranscribeOptions
     from kvcache.transcription.options import temperature_ladder
-    from kvcache.transcription.transcriber import bundled, read_audio
+    from kvcache.transcription.transcriber import bundled, progress_bar, read_audio
     from kvcache.transcription.writers import write
 
     problem = _check(args)
@@ -181,15 +180,8 @@ def run(args: argparse.Namespace) -> int:
             without_timestamps=args.without_timestamps,
         )
         tr = bundled(args.model)
-        seconds = sum(len(a) for a in audios) / 16000
-        fmt = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s of audio [{elapsed}<{remaining}]"
-        with tqdm(
-            total=round(seconds, 2), desc="transcribing", bar_format=fmt,
-            disable=args.no_progress, file=sys.stderr,
-        ) as bar:  # fmt: skip
-            results = tr.transcribe_many(
-                audios, options, lambda frames: bar.update(frames / 100), args.max_batch
-            )
+        with progress_bar(audios, not args.no_progress) as advance:
+            results = tr.transcribe_many(audios, options, advance, args.max_batch)
     except KVCacheError as e:
         print(f"kvcache transcribe: {e}", file=sys.stderr)
         return 1

@@ -4,7 +4,9 @@ and ``transcribe_many`` (several, decoded together in one cell cache)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcache.audio.mel import CHUNK_SAMPLES, log_mel_spectrogram
+from kvcache.audio.mel import CHUNK_SAMPLES, FRAMES_PER_SECOND, SAMPLE_RATE, log_mel_spectrogram
 from kvcache.errors import InvalidArgumentError
 from kvcache.models.whisper import Whisper
 from kvcache.models.whisper_decode import WhisperKVCache
@@ -118,6 +120,23 @@ class Transcriber:
         return self.transcribe_many([audio], options, progress)[0]
 
 
+@contextmanager
+def progress_bar(
+    audios: Sequence[np.ndarray], enabled: bool = True
+) -> Iterator[Callable[[int], None]]:
+    """A tqdm bar on stderr over the seconds of ``audios``; yields the ``progress(frames)``
+    callback that ``transcribe_many`` calls as windows finish."""
+    from tqdm import tqdm
+
+    seconds = sum(len(a) for a in audios) / SAMPLE_RATE
+    fmt = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s of audio [{elapsed}<{remaining}]"
+    with tqdm(
+        total=round(seconds, 2), desc="transcribing", bar_format=fmt, disable=not enabled,
+        file=sys.stderr,
+    ) as bar:  # fmt: skip
+        yield lambda frames: bar.update(frames / FRAMES_PER_SECOND)
+
+
 @lru_cache(maxsize=2)
 def bundled(path: str | None = None) -> Transcriber:
     """The Transcriber of a model directory (None = bundled tiny.en), loaded once."""
@@ -172,6 +191,7 @@ def transcribe(
     initial_prompt: str | None = None,
     condition_on_previous_text: bool = True,
     model: str | Path | None = None,
+    progress: bool = False,
     **options: object,
 ) -> Transcript:
     """Transcribe a file (WAV/FLAC/OGG, other formats through ffmpeg) or 16 kHz mono samples
@@ -180,11 +200,14 @@ def transcribe(
     ``temperature``: one float, or the fallback ladder (default 0.0, 0.2, ..., 1.0).
     Further keywords are :class:`TranscribeOptions` fields (``best_of``, ``patience``,
     ``compression_ratio_threshold``, ``log_prob_threshold``, ``no_speech_threshold``,
-    ``without_timestamps``, ``seed``, ...). ``model``: a CTranslate2 Whisper directory.
+    ``without_timestamps``, ``seed``, ...). ``model``: a CTranslate2 Whisper directory;
+    ``progress``: a bar over seconds of audio on stderr.
     """
     opts = _options(beam_size, temperature, initial_prompt, condition_on_previous_text, options)
     samples = read_audio(audio)
-    return bundled(None if model is None else str(model)).transcribe(samples, opts)
+    tr = bundled(None if model is None else str(model))
+    with progress_bar([samples], progress) as advance:
+        return tr.transcribe(samples, opts, advance)
 
 
 def transcribe_many(
@@ -196,12 +219,13 @@ def transcribe_many(
     condition_on_previous_text: bool = True,
     model: str | Path | None = None,
     max_batch: int = 8,
+    progress: bool = False,
     **options: object,
 ) -> list[Transcript]:
     """Transcribe several inputs decoded together in one cell cache (one batched decoder
     step for all); each transcript equals that input transcribed alone."""
     opts = _options(beam_size, temperature, initial_prompt, condition_on_previous_text, options)
     samples = [read_audio(a, f"audios[{i}]") for i, a in enumerate(audios)]
-    return bundled(None if model is None else str(model)).transcribe_many(
-        samples, opts, max_batch=max_batch
-    )
+    tr = bundled(None if model is None else str(model))
+    with progress_bar(samples, progress) as advance:
+        return tr.transcribe_many(samples, opts, advance, max_batch)
