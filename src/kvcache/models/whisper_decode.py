@@ -230,10 +230,9 @@ def _decode_layers(
     cfg = model.config
     h, t = cfg.n_text_head, x.shape[0]
     scale = 1.0 / math.sqrt(cfg.n_text_state // h)
-    memo: dict[str, torch.Tensor] = {}
     for layer, blk in enumerate(model.decoder):
         q, k, v = blk.qkv(blk.attn_ln(x)).view(t, 3, h, -1).unbind(1)  # each [T, H, D]
-        x = x + blk.out(_self_attention(cache, layer, q, k, v, scale, memo))
+        x = x + blk.out(_self_attention(cache, layer, q, k, v, scale))
         cache.cache.set_layer_type(CROSS)
         ck, cv, _ = cache.cache.get(layer)  # [A, H, S, D]
         x = x + blk.cross_out(
@@ -250,26 +249,11 @@ def _self_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    memo: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """Store the step's self K/V [T, H, D] and attend each row q [T, H, D] to its own
-    sequence's cells -> [T, H*D]. The decoder's only use of the causal cache's attention
-    (``memo`` keeps the additive mask that all layers of a step share)."""
+    sequence's cells (CausalCache.attention) -> [T, H*D]."""
     cache.cache.set_layer_type(SELF)
-    keys, values, mask = cache.cache.update(layer, k, v)  # [L, H, D] views in cell order, [T, L]
-    if "bias" not in memo:
-        assert mask is not None, "the causal cache always returns a mask"
-        memo["bias"] = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
-    return _cell_attention(q, keys, values, memo["bias"], scale)
-
-
-def _cell_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [T, H, D] over cells keys/values [L, H, D] (strided views, no copy) -> [T, H*D]."""
-    scores = torch.baddbmm(bias, q.transpose(0, 1), keys.permute(1, 2, 0), alpha=scale)  # [H, T, L]
-    out = torch.bmm(scores.softmax(-1), values.transpose(0, 1))  # [H, T, D]
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    return cache.cache.attention(layer, q, k, v, scale=scale).reshape(q.shape[0], -1)
 
 
 def _cross_attention(
