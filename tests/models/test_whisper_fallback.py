@@ -67,9 +67,6 @@ def test_compression_ratio_falls_back_through_every_temperature(
     (seg,) = result.segments
     assert seg.tokens == tuple(best.tokens) and seg.temperature == best.temperature
     assert seg.compression_ratio > 2.4 and "thank you" in seg.text.lower()
-    seen.clear()
-    transcribe(repeated, temperature=ladder, compression_ratio_threshold=None)  # rule off
-    assert [d.temperature for d, _ in seen] == [0.0]
 
 
 def test_low_log_probability_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
