@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{floor['fp32_kv_bytes'] / 1e6:.0f} MB / {floor['bandwidth_gb_s']:.1f} GB/s))",
     }
     print(
-        f"\nSmolLM2-135M fp32 weights, {args.threads} threads, greedy; median of {args.steps} "
+        f"\nSmolLM2-135M fp32 weights, threads={args.threads}, greedy; median of {args.steps} "
         f"decode steps after {args.warm}; {minutes:.1f} min, load average "
         f"{load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores"
     )
@@ -539,8 +539,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         xlabel="sequences decoding together (distinct prompts)", title=f"prompt tokens: {keys}"
     )
     by_length.set(xlabel="prompt tokens", title=f"'-' {top} sequences, '--' 1 sequence")
-    for ax in (by_batch, by_length):
+    ticks = {by_batch: {r["batch"] for r in runs}, by_length: {r["context"] for r in runs}}
+    for ax, xs in ticks.items():
         ax.set(xscale="log", ylabel="aggregate decode tok/s")
+        ax.set_xticks(sorted(xs), [str(x) for x in sorted(xs)])
+        ax.minorticks_off()
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle("SmolLM2-135M decode on the cell cache, per codec (fp32 weights)")
