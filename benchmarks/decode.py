@@ -29,10 +29,12 @@ the same run's ``stats.prefill_rate``. Every codec and batch is warmed up before
 Workers, one subprocess each: attention; long + floor; one per grid context (its batches and
 codecs in turn, one cache at a time); one per transformers measurement.
 
-    python benchmarks/decode.py            # the issue-11 grid
-    python benchmarks/decode.py --quick    # 1 and 16 x 1k, one sequence at 4k, 8 steps
+    python benchmarks/decode.py            # the issue-11 grid: ~400k prompt tokens to prefill
+    python benchmarks/decode.py --quick    # 1 and 16 x 1k, one sequence at 4k: ~120k
     python benchmarks/decode.py --codecs fp32 int8 --batches 1 16 --contexts 1024 --no-hf
 
+Run it on a quiet machine: with other processes on the cores, every parallel region of two
+threads waits for a descheduled thread, and steps slow down many times, unevenly per codec.
 Writes benchmarks/results/decode.json (``--quick``: decode_quick.json) and the PNG beside it:
 aggregate tok/s against batch size and against prompt length, a line per codec.
 """
