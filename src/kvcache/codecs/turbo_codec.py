@@ -29,7 +29,9 @@ from __future__ import annotations
 import torch
 
 from kvcache.codecs.base import Buffer, Centre, Codec, Locs, tensor_bytes
-from kvcache.codecs.turbo import SCALE_DTYPE, Encoded, HeadStack, TurboQuantizer, packed_width
+from kvcache.codecs.encoded import SCALE_DTYPE, Encoded
+from kvcache.codecs.pack import packed_width
+from kvcache.codecs.quantizer import HeadStack, TurboQuantizer
 
 
 class TurboBuffer(Buffer):

@@ -1,0 +1,130 @@
+"""Key-mean snapshots at fixed token counts: how the per-head compressed cache centres keys.
+
+Centring is a function of the token index, never of how tokens were pushed::
+
+    token          0 .. 2      3 .. 14     15 .. 62     ...   4^j - 1 .. 4^(j+1) - 2
+    centred by     mean[0,1)   mean[0,4)   mean[0,16)   ...   mean[0, 4^j)
+
+Snapshot j (bf16 [D]) is the mean of the first ``4^j`` keys, taken when the last of them
+arrives (J = O(log T)); that key and the later ones up to the next snapshot subtract it where
+that shrinks the key (the quantizer's per-key flag). Key 0 is centred by itself: the first
+snapshot holds it in bf16 (in real models the attention sink, which takes much of the
+attention). The running sum is exact: keys are rounded to multiples of 2^-20, clamped to
++-2^20 and summed as int64 (``total [D]``) until the last snapshot at 4^11 keys, and integer
+addition does not depend on the order or grouping of its terms.
+
+A push plans first (:meth:`KeyMeans.plan`: the snapshots it reaches and the offset of each
+of its keys, piece by piece of the schedule) and commits once its codes are stored, so a
+failed push changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.codecs.encoded import SCALE_DTYPE
+
+_SNAPSHOT_GROWTH = 4  # snapshot j at key count 4^j
+_LAST_SNAPSHOT = 4**11  # the last one (4M keys); the running sum stops there
+_FIXED_ONE = 2**20  # fixed-point unit of the running key sum: 2^-20
+_FIXED_MAX = 2.0**20  # keys clamped to +-2^20 for the sum: 4^11 * 2^40 < 2^63
+
+
+def _snapshot_counts() -> list[int]:
+    """Key counts at which a mean snapshot is taken: 1, 4, 16, ..., the last one."""
+    counts, at = [], 1
+    while at <= _LAST_SNAPSHOT:
+        counts.append(at)
+        at *= _SNAPSHOT_GROWTH
+    return counts
+
+
+_COUNTS = _snapshot_counts()  # snapshot j = mean of the first _COUNTS[j] keys
+_EDGES = [c - 1 for c in _COUNTS]  # segment j = tokens [_EDGES[j], _EDGES[j+1]): snapshot j
+
+
+def _pieces(start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Tokens [start, stop) split by segment: (first, end, segment) with end exclusive."""
+    out = []
+    for j, edge in enumerate(_EDGES):
+        end = _EDGES[j + 1] if j + 1 < len(_EDGES) else stop
+        lo, hi = max(start, edge), min(stop, end)
+        if lo < hi:
+            out.append((lo, hi, j))
+    return out
+
+
+Piece = tuple[int, int, torch.Tensor | None]  # tokens [first, end) and their key offset
+
+
+@dataclass(frozen=True)
+class MeansPlan:
+    """What a push does to the centring state; applied by ``commit`` once encoding succeeded."""
+
+    means: tuple[torch.Tensor, ...]  # every snapshot after the push, each [D] bf16
+    total: torch.Tensor  # running fixed-point key sum after the push, int64 [D]
+    count: int  # keys including the push
+
+
+class KeyMeans:
+    """Snapshots of the key mean at fixed token counts (see the module doc)."""
+
+    def __init__(self, dim: int, device: torch.device) -> None:
+        self.dim, self.device = dim, device
+        self.total = torch.zeros(dim, dtype=torch.int64, device=device)  # units of 2^-20
+        self.count = 0
+        self.means: list[torch.Tensor] = []  # snapshot j: mean of keys [0, 4^j), bf16 [D]
+
+    def plan(self, keys: torch.Tensor) -> MeansPlan:
+        """The snapshots a push of keys [N, D] takes (those at counts it reaches)."""
+        start, stop = self.count, self.count + keys.shape[0]
+        summed = keys[: max(0, _LAST_SNAPSHOT - start)]  # keys the running sum still takes
+        fixed = torch.round(summed.clamp(-_FIXED_MAX, _FIXED_MAX) * _FIXED_ONE).long()  # [n, D]
+        means = list(self.means)
+        for count in _COUNTS:
+            if start < count <= stop:  # the first `count` keys are all in: snapshot their mean
+                total = self.total + fixed[: count - start].sum(0)
+                means.append((total.double() / (_FIXED_ONE * count)).to(SCALE_DTYPE))
+        return MeansPlan(tuple(means), self.total + fixed.sum(0), stop)
+
+    def offsets(self, plan: MeansPlan, start: int, stop: int) -> list[Piece]:
+        """(first, end, offset [D]) for the keys [start, stop) of a planned push."""
+        return [(lo, hi, plan.means[j].float()) for lo, hi, j in _pieces(start, stop)]
+
+    def commit(self, plan: MeansPlan) -> None:
+        self.means, self.total, self.count = list(plan.means), plan.total, plan.count
+
+    def segments(self, length: int) -> list[tuple[int, int, torch.Tensor | None]]:
+        """(start, stop, offset) for every segment of tokens [0, length)."""
+        return [(lo, hi, self.means[j]) for lo, hi, j in _pieces(0, length)]
+
+    def nbytes(self) -> int:
+        """Snapshots (bf16) and the running sum (int64); 0 before the first key."""
+        if not self.count:
+            return 0
+        means = sum(m.numel() * m.element_size() for m in self.means)
+        return means + self.total.numel() * self.total.element_size()
+
+    def clone(self) -> KeyMeans:
+        out = copy.copy(self)
+        out.means = list(self.means)  # snapshots and sums are never modified in place
+        return out
+
+
+class NoKeyMeans(KeyMeans):
+    """Null object: keys are encoded as they are (one segment, no offset, nothing stored)."""
+
+    def plan(self, keys: torch.Tensor) -> MeansPlan:
+        return MeansPlan((), self.total, self.count + keys.shape[0])
+
+    def offsets(self, plan: MeansPlan, start: int, stop: int) -> list[Piece]:
+        return [(start, stop, None)]
+
+    def segments(self, length: int) -> list[tuple[int, int, torch.Tensor | None]]:
+        return [(0, length, None)] if length else []
+
+    def nbytes(self) -> int:
+        return 0
