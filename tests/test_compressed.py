@@ -268,15 +268,18 @@ def test_key_means_are_the_means_of_the_first_4_to_the_j_keys():
     assert (head.decode_keys()[0] - k[0]).abs().max() < 0.05
 
 
-def test_key_sums_are_exact_even_for_huge_and_tiny_keys():
-    """The fixed-point sum does not depend on the grouping where float32 sums would."""
-    k = torch.tensor([[1e6], [1.0], [-1e6], [2.0**-19]]).repeat(4, 2)  # [16, 2]
+def test_key_sums_are_exact_whatever_the_grouping():
+    """A huge key, small ones, then minus the huge one: float sums lose the small ones in
+    one grouping and not in another; the fixed-point sum keeps them in every grouping."""
+    small = 10 * 2.0**-20  # ten fixed-point units
+    k = torch.tensor([1000.0] + [small] * 14 + [-1000.0])[:, None].repeat(1, 2)  # [16, 2]
     v = torch.zeros(16, 2)
     whole, parts = KVCacheCompressor(KVCacheConfig(2, 4)), KVCacheCompressor(KVCacheConfig(2, 4))
     whole.push(k, v)
-    push_in_chunks(parts, k, v, [1, 2, 3, 5, 9])
+    push_in_chunks(parts, k, v, list(range(1, 16)))
+    exact = torch.full((2,), 14 * small / 16, dtype=torch.float64).to(torch.bfloat16)
+    assert torch.equal(whole.key_means[2], exact) and torch.equal(parts.key_means[2], exact)
     assert_same_head(whole, parts, torch.ones(1, 2))
-    assert torch.isfinite(whole.key_means[-1].float()).all()
 
 
 def test_bad_configurations_raise_invalid_config():

@@ -8,7 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.codecs.pack import pack, packed_width, unpack, unpack4
+from kvcache.codecs.pack import (
+    PACKERS,
+    UNPACKERS,
+    candidates,
+    pack,
+    packed_width,
+    unpack,
+    unpack4,
+)
 from kvcache.errors import InvalidArgumentError
 
 # bits -> (codes of one row, its bytes in hex). Code i occupies bits [i*bits, (i+1)*bits),
@@ -72,6 +80,20 @@ def test_pack_matches_bit_by_bit_reference_and_round_trips(bits, count, lead, dt
         assert torch.equal(unpack(packed, bits), codes.to(torch.uint8))
     if bits == 4 and count % 2 == 0:
         assert torch.equal(unpack4(packed), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_every_candidate_strategy_equals_the_reference(bits):
+    """What the benchmark times must be right, and the tables pick among them."""
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (7, 40), generator=g)
+    packers, unpackers = candidates(bits)
+    assert PACKERS[bits] in packers and UNPACKERS[bits] in unpackers
+    want = pack_reference(codes, bits)
+    for packer in packers:
+        assert torch.equal(packer(codes, bits), want), packer.__name__
+    for unpacker in unpackers:
+        assert torch.equal(unpacker(want, bits, 40), codes.to(torch.uint8)), unpacker.__name__
 
 
 def test_outputs_never_alias_inputs():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +31,10 @@ from kvcache.validate import is_int
 
 # bits -> (codes per word k, bytes per word): k*bits is a whole number of bytes, and the
 # word is exact in float32 (<= 24 bits) or float64 (<= 48 bits); 7 bits go through int64.
-_WORDS = {3: (8, 3), 5: (8, 5), 6: (4, 3), 7: (8, 7)}
+_WORDS = {1: (8, 1), 2: (4, 1), 3: (8, 3), 4: (2, 1), 5: (8, 5), 6: (4, 3), 7: (8, 7), 8: (1, 1)}
+
+Packer = Callable[[torch.Tensor, int], torch.Tensor]  # ([N, C], bits) -> [N, W] uint8
+Unpacker = Callable[[torch.Tensor, int, int], torch.Tensor]  # ([N, W], bits, C) -> [N, C]
 
 
 def packed_width(count: int, bits: int) -> int:
@@ -47,13 +51,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., C] (integers < 2**bits, any dtype) -> bytes [..., ceil(C*bits/8)] uint8."""
     _check(bits)
     lead, count = codes.shape[:-1], codes.shape[-1]
-    flat = codes.reshape(-1, count)  # [N, C]
-    if bits == 8:
-        out = flat.to(torch.uint8, copy=True)
-    elif 8 % bits == 0:
-        out = _pack_bytes(flat, bits)
-    else:
-        out = _pack_words(flat, bits)
+    out = PACKERS[bits](codes.reshape(-1, count), bits)  # [N, W]
     return out.reshape(*lead, packed_width(count, bits))
 
 
@@ -64,16 +62,7 @@ def unpack(packed: torch.Tensor, bits: int, count: int | None = None) -> torch.T
     lead, width = packed.shape[:-1], packed.shape[-1]
     count = width * 8 // bits if count is None else count
     assert packed_width(count, bits) == width, f"{count} codes of {bits} bits in {width} bytes"
-    flat = packed.reshape(-1, width)  # [N, W]
-    if bits == 8:
-        out = flat.to(torch.uint8, copy=True)
-    elif bits == 4:
-        out = unpack4(flat)[:, :count]
-    elif 8 % bits == 0:
-        table = byte_codes(bits, packed.device)  # [256, 8/bits]
-        out = table.index_select(0, flat.reshape(-1).int()).view(flat.shape[0], -1)[:, :count]
-    else:
-        out = _unpack_words(flat, bits, count)
+    out = UNPACKERS[bits](packed.reshape(-1, width), bits, count)  # [N, C]
     return out.reshape(*lead, count)
 
 
@@ -83,7 +72,7 @@ def unpack4(b: torch.Tensor) -> torch.Tensor:
     whose two bytes in memory are (low nibble, high nibble) on a little-endian machine, so
     viewing the int16 lanes as uint8 is the unpacked row (no stack, no reshape copy)."""
     if sys.byteorder != "little":
-        return _unpack_shifts(b, 4)
+        return unpack_shifts(b.reshape(-1, b.shape[-1]), 4, 2 * b.shape[-1]).view(*b.shape[:-1], -1)
     t = b.contiguous().to(torch.int16)
     u = torch.bitwise_left_shift(t, 4)
     u.bitwise_or_(t).bitwise_and_(0x0F0F)
@@ -109,10 +98,18 @@ def _check(bits: int) -> None:
         raise InvalidArgumentError("bits", bits, "an int in 1..8")
 
 
-def _pack_bytes(flat: torch.Tensor, bits: int) -> torch.Tensor:
+# -- strategies: each takes and gives [rows, width] (``benchmarks/pack_speed.py`` times them)
+
+
+def pack_copy(flat: torch.Tensor, bits: int) -> torch.Tensor:
+    """bits == 8: a byte per code (a copy, never a view of the input)."""
+    return flat.to(torch.uint8, copy=True)
+
+
+def pack_bytes(flat: torch.Tensor, bits: int) -> torch.Tensor:
     """bits in (1, 2, 4): byte j = sum_i code_{j*per+i} << (bits*i), as uint8 shifts and ors."""
     per = 8 // bits
-    n, count = flat.shape
+    count = flat.shape[1]
     q = flat.to(torch.uint8)
     if count % per:
         q = torch.nn.functional.pad(q, (0, per - count % per))
@@ -122,9 +119,9 @@ def _pack_bytes(flat: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def _pack_words(flat: torch.Tensor, bits: int) -> torch.Tensor:
-    """bits in (3, 5, 6, 7): k codes make one word of k*bits/8 bytes, added up exactly in a
-    float (torch's integer shifts are not vectorized here) and viewed as its low bytes."""
+def pack_words(flat: torch.Tensor, bits: int) -> torch.Tensor:
+    """Any bits: k codes make one word of k*bits/8 bytes, added up exactly in a float
+    (torch's integer shifts are not vectorized here) and viewed as its low bytes."""
     assert sys.byteorder == "little", "byte views assume a little-endian machine"
     n, count = flat.shape
     k, nb = _WORDS[bits]
@@ -136,13 +133,31 @@ def _pack_words(flat: torch.Tensor, bits: int) -> torch.Tensor:
     word = c[:, 0::k].clone(memory_format=torch.contiguous_format)  # [N, G]
     for i in range(1, k):
         word.add_(c[:, i::k], alpha=1 << (bits * i))
+    if nb == 1:
+        return word.to(torch.uint8)
     word = word.to(torch.int32 if nb <= 3 else torch.int64)
     out = word.view(torch.uint8).view(n, groups, word.element_size())[:, :, :nb]
     return out.reshape(n, groups * nb)[:, : packed_width(count, bits)]
 
 
-def _unpack_words(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`_pack_words`: each word's bytes widened to an int, shifted, masked."""
+def unpack_copy(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """bits == 8: the bytes themselves (a copy)."""
+    return flat.to(torch.uint8, copy=True)
+
+
+def unpack_int16(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """bits == 4: :func:`unpack4`."""
+    return unpack4(flat)[:, :count]
+
+
+def unpack_table(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """bits in (1, 2, 4): one lookup per byte in the [256, 8/bits] table of its codes."""
+    table = byte_codes(bits, flat.device)  # [256, 8/bits]
+    return table.index_select(0, flat.reshape(-1).int()).view(flat.shape[0], -1)[:, :count]
+
+
+def unpack_words(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Any bits: each word's bytes widened to an int, shifted by a [k] vector, masked."""
     n = flat.shape[0]
     k, nb = _WORDS[bits]
     groups = (count + k - 1) // k
@@ -154,8 +169,33 @@ def _unpack_words(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return codes.view(n, groups * k)[:, :count].to(torch.uint8)
 
 
-def _unpack_shifts(b: torch.Tensor, bits: int) -> torch.Tensor:
-    """Plain shifts and masks (any byte order): bytes [..., W] -> codes [..., W * 8/bits]."""
+def unpack_shifts(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """bits in (1, 2, 4): 8/bits shifted and masked copies of the bytes, interleaved (any
+    byte order)."""
     per = 8 // bits
-    parts = [(b >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
-    return torch.stack(parts, dim=-1).reshape(*b.shape[:-1], -1)
+    parts = [(flat >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
+    return torch.stack(parts, dim=-1).reshape(flat.shape[0], -1)[:, :count]
+
+
+# bits -> strategy, the fastest measured here for the shapes the codecs use
+PACKERS: dict[int, Packer] = {
+    1: pack_bytes, 2: pack_bytes, 3: pack_words, 4: pack_bytes,
+    5: pack_words, 6: pack_words, 7: pack_words, 8: pack_copy,
+}  # fmt: skip
+UNPACKERS: dict[int, Unpacker] = {
+    1: unpack_table, 2: unpack_table, 3: unpack_words, 4: unpack_int16,
+    5: unpack_words, 6: unpack_words, 7: unpack_words, 8: unpack_copy,
+}  # fmt: skip
+
+
+def candidates(bits: int) -> tuple[list[Packer], list[Unpacker]]:
+    """Every strategy that can serve ``bits`` (the benchmark times them, the tests check them
+    against a bit-by-bit reference): the tables above pick one of each."""
+    divides = 8 % bits == 0
+    packers: list[Packer] = [pack_words]
+    packers += [pack_bytes] if divides else []
+    packers += [pack_copy] if bits == 8 else []
+    unpackers: list[Unpacker] = [unpack_words]
+    unpackers += [unpack_table, unpack_shifts] if divides else []
+    unpackers += [unpack_int16] if bits == 4 else [unpack_copy] if bits == 8 else []
+    return packers, unpackers
