@@ -143,7 +143,7 @@ def test_memory_usage_is_the_sum_of_the_packed_buffers(mode):
         assert per_token == 2 * (24 + 2)
     else:  # 2-bit codes (16 B) + scale + 48 sign bits (6 B) + residual norm
         assert per_token == (16 + 2 + 6 + 2) + (24 + 2)
-    snapshots = sum(1 for j in range(12) if 4**j <= n)  # at 1, 4, 16, 64, ... keys
+    snapshots = sum(1 for j in range(23) if 2**j <= n)  # at 1, 2, 4, 8, ... keys
     assert len(head.key_means) == snapshots
     assert head.centre_nbytes() == snapshots * 64 * 2 + 64 * 8  # bf16 means + int64 sum
     assert head.allocated_bytes() >= head.memory_usage_bytes()
@@ -159,7 +159,7 @@ def test_storage_grows_geometrically():
         moves += now != ptr
         ptr = now
     assert moves <= 1 + math.ceil(math.log2(2000 / 64))  # doubling from 64 rows
-    assert len(head.key_means) == 6  # O(log T) snapshots: at 1, 4, 16, 64, 256, 1024 keys
+    assert len(head.key_means) == 11  # O(log T) snapshots: at 1, 2, 4, ..., 1024 keys
 
 
 def test_streaming_pushes_equal_one_block_push():
@@ -245,23 +245,23 @@ def test_codes_scores_and_outputs_do_not_depend_on_the_chunking(
 
 
 def test_key_means_are_the_means_of_the_first_4_to_the_j_keys():
-    """Against the documented schedule: snapshot j is the mean of the first 4^j keys (float64
+    """Against the documented schedule: snapshot j is the mean of the first 2^j keys (float64
     reference, within one bf16 step), and key t is centred by the snapshot of the largest
-    4^j <= t + 1: flagged exactly where that snapshot shrinks it."""
+    2^j <= t + 1: flagged exactly where that snapshot shrinks it."""
     g = torch.Generator().manual_seed(0)
     k = torch.randn(100, 16, generator=g) + torch.linspace(-3, 3, 16)
     k[0] = -2 * torch.linspace(-3, 3, 16)  # a sink far from the mean
     head = KVCacheCompressor(KVCacheConfig(16, 4, seed=0))
     for t in range(100):
         head.push(k[t], torch.zeros(16))
-        assert len(head.key_means) == sum(1 for j in range(5) if 4**j <= t + 1)
+        assert len(head.key_means) == sum(1 for j in range(8) if 2**j <= t + 1)
     for j, mean in enumerate(head.key_means):
-        ref = k[: 4**j].double().mean(0)
+        ref = k[: 2**j].double().mean(0)
         step = 2.0 ** (torch.floor(torch.log2(ref.abs())) - 7)  # one bf16 step at ref
         assert bool(((mean.double() - ref).abs() <= step).all()), j
     flags = torch.signbit(head.encoded_keys.scale[:, 0])
     for t in range(100):
-        j = max(j for j in range(5) if 4**j <= t + 1)
+        j = max(j for j in range(8) if 2**j <= t + 1)
         mean = head.key_means[j].float()
         assert bool(flags[t]) == bool(2 * (k[t] @ mean) > mean @ mean), t
     assert bool(flags[0])  # key 0 is centred by itself: the first snapshot holds it
@@ -278,7 +278,7 @@ def test_key_sums_are_exact_whatever_the_grouping():
     whole.push(k, v)
     push_in_chunks(parts, k, v, list(range(1, 16)))
     exact = torch.full((2,), 14 * small / 16, dtype=torch.float64).to(torch.bfloat16)
-    assert torch.equal(whole.key_means[2], exact) and torch.equal(parts.key_means[2], exact)
+    assert torch.equal(whole.key_means[4], exact) and torch.equal(parts.key_means[4], exact)
     assert_same_head(whole, parts, torch.ones(1, 2))
 
 
