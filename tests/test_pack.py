@@ -93,7 +93,11 @@ def test_every_candidate_strategy_equals_the_reference(bits):
     for packer in packers:
         assert torch.equal(packer(codes, bits), want), packer.__name__
     for unpacker in unpackers:
-        assert torch.equal(unpacker(want, bits, 40), codes.to(torch.uint8)), unpacker.__name__
+        got = unpacker(want[None], bits, 40)[0]  # with a leading dimension
+        assert not got.is_floating_point() and torch.equal(got.long(), codes), unpacker.__name__
+    assert unpack(want, bits, 40).dtype == torch.uint8
+    kept = unpack(want, bits, 40, dtype=None)  # the strategy's own integer dtype
+    assert kept.dtype in (torch.uint8, torch.int32, torch.int64) and torch.equal(kept.long(), codes)
 
 
 def test_outputs_never_alias_inputs():

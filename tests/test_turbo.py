@@ -410,3 +410,20 @@ def test_cuda_quantizer_decodes_like_the_cpu_one():  # runs only where a GPU is 
     head = KVCacheCompressor(KVCacheConfig(64, 4), device="cuda")
     head.push(x, x)
     assert head.attend(x[0]).is_cuda
+
+
+def test_an_offset_table_with_an_index_equals_the_per_row_offsets_it_picks():
+    """How the compressed cache scores keys centred by different snapshots in one call."""
+    tq = TurboQuantizer(32, 4, seed=1)
+    table = torch.randn(3, 32) * 4  # [J, D]
+    index = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0])  # [N]
+    x = table[index] + torch.randn(8, 32)
+    enc = tq.encode_keys(x, table[index])
+    q = torch.randn(5, 32)
+    rows = tq.key_scores(q, enc, table[index])
+    assert torch.allclose(tq.key_scores(q, enc, table, index=index), rows, atol=1e-4)
+    assert torch.allclose(tq.decode_keys(enc, table, index), tq.decode_keys(enc, table[index]))
+    with pytest.raises(DimensionMismatchError):
+        tq.key_scores(q, enc, table, index=index[:5])
+    with pytest.raises(DimensionMismatchError):
+        tq.decode_keys(enc, table[:, :16], index)

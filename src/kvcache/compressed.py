@@ -248,13 +248,9 @@ class KVCacheCompressor:
     def _scores(self, q: torch.Tensor) -> torch.Tensor:
         """q: [Q, D] float32 -> [Q, T] scaled logits; the query is rotated once."""
         qr = self.quantizer.rotate_queries(q)  # [Q, P]
-        out = torch.empty(q.shape[0], len(self), device=self.device)
-        keys = self._keys.view()
-        for start, stop, offset in self._centre.segments(len(self)):
-            out[:, start:stop] = self.quantizer.key_scores(
-                qr, keys.rows(start, stop), offset, rotated=True
-            )
-        return out * (1.0 / math.sqrt(self.head_dim))
+        means, index = self._centre.per_key(len(self))  # [J, D], [T]
+        scores = self.quantizer.key_scores(qr, self._keys.view(), means, True, index)
+        return scores * (1.0 / math.sqrt(self.head_dim))
 
     def attend(self, query: torch.Tensor) -> torch.Tensor:
         """softmax(scores) @ values from the codes: query [D] -> [D] (or [Q, D] -> [Q, D])."""
@@ -267,11 +263,8 @@ class KVCacheCompressor:
 
     def decode_keys(self) -> torch.Tensor:
         """Reconstructed keys [T, D]."""
-        out = torch.empty(len(self), self.head_dim, device=self.device)
-        keys = self._keys.view()
-        for start, stop, offset in self._centre.segments(len(self)):
-            out[start:stop] = self.quantizer.decode_keys(keys.rows(start, stop), offset)
-        return out
+        means, index = self._centre.per_key(len(self))  # [J, D], [T]
+        return self.quantizer.decode_keys(self._keys.view(), means, index)
 
     def decode_values(self) -> torch.Tensor:
         """Reconstructed values [T, D]."""

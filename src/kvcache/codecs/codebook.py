@@ -6,7 +6,7 @@ coded as the index of its nearest level. Tables of a :class:`Codebook` (``b`` bi
 
     centroids       float32 [2^b]            levels, ascending, in unit-variance units
     boundaries      float32 [2^b - 1]        midpoints rounded to the grid; t >= b_j -> code > j
-    cell_codes      float32 [16 * 2^g]       code of every grid cell of [-8, 8)
+    cell_codes      uint8/f32 [16 * 2^g]     code of every grid cell of [-8, 8) (pack's dtype)
     cell_squares    float32 [16 * 2^g]       centroid^2 of that code
     cell_centroids  float32 [16 * 2^g]       centroid of that code
     byte_centroids  float32 [256, 8/b]       centroids of the codes a packed byte holds (b | 8)
@@ -45,7 +45,8 @@ class Codebook:
     mse: float  # expected squared error per coordinate of the optimal (unrounded) quantizer
     centroids: torch.Tensor  # [2^b] float32, ascending
     boundaries: torch.Tensor  # [2^b - 1] float32, on the grid; t >= b_j -> code > j
-    cell_codes: torch.Tensor  # [G] float32: code of every grid cell
+    cell_codes: torch.Tensor  # [G]: code of every grid cell, as its packer reads it (uint8
+    # for bits dividing 8, float32 for the float-word packer of the other widths)
     cell_squares: torch.Tensor  # [G] float32: centroid^2 of every grid cell
     cell_centroids: torch.Tensor  # [G] float32: centroid of every grid cell
     byte_centroids: torch.Tensor | None  # [256, 8/b]: centroids of a packed byte (b | 8)
@@ -81,13 +82,16 @@ class Codebook:
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes: [N, P] (any integer dtype) -> centroids [N, P] float32."""
-        return self.centroids.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+        index = codes.reshape(-1)
+        if index.dtype not in (torch.int32, torch.int64):  # index_select takes only these
+            index = index.int()
+        return self.centroids.index_select(0, index).view(codes.shape)
 
     def decode_packed(self, packed: torch.Tensor, count: int) -> torch.Tensor:
         """Packed codes [N, ceil(count*b/8)] -> centroids [N, count] float32."""
         n = packed.shape[0]
         if self.byte_centroids is None:
-            return self.decode(unpack(packed, self.bits, count))
+            return self.decode(unpack(packed, self.bits, count, dtype=None))
         per = self.byte_centroids.shape[1]
         out = self.byte_centroids.index_select(0, packed.reshape(-1).int())
         return out.view(n, packed.shape[1] * per)[:, :count]
@@ -134,7 +138,7 @@ def _tables(dim: int, bits: int, c: np.ndarray, mse: float) -> Codebook:
         mse=mse * dim,
         centroids=centroids,
         boundaries=torch.tensor(bounds, dtype=torch.float32),
-        cell_codes=cell.float(),
+        cell_codes=cell.to(torch.uint8 if 8 % bits == 0 else torch.float32),
         cell_squares=centroids[cell] ** 2,
         cell_centroids=centroids[cell],
         byte_centroids=byte_centroids,

@@ -102,9 +102,14 @@ class KeyMeans:
     def commit(self, plan: MeansPlan) -> None:
         self.means, self.total, self.count = list(plan.means), plan.total, plan.count
 
-    def segments(self, length: int) -> list[tuple[int, int, torch.Tensor | None]]:
-        """(start, stop, offset) for every segment of tokens [0, length)."""
-        return [(lo, hi, self.means[j]) for lo, hi, j in _pieces(0, length)]
+    def per_key(self, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(snapshots [J, D] float32, the snapshot of each of the keys [0, length) [length]
+        int64): the offsets to decode and score them with."""
+        if not self.means:
+            return None, None
+        edges = torch.tensor(_EDGES, device=self.device)
+        index = torch.bucketize(torch.arange(length, device=self.device), edges, right=True)
+        return torch.stack(self.means).float(), index - 1
 
     def nbytes(self) -> int:
         """Snapshots (bf16) and the running sum (int64); 0 before the first key."""
@@ -128,8 +133,8 @@ class NoKeyMeans(KeyMeans):
     def offsets(self, plan: MeansPlan, start: int, stop: int) -> list[Piece]:
         return [(start, stop, None)]
 
-    def segments(self, length: int) -> list[tuple[int, int, torch.Tensor | None]]:
-        return [(0, length, None)] if length else []
+    def per_key(self, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return None, None
 
     def nbytes(self) -> int:
         return 0

@@ -33,8 +33,8 @@ from kvcache.validate import is_int
 # word is exact in float32 (<= 24 bits) or float64 (<= 48 bits); 7 bits go through int64.
 _WORDS = {1: (8, 1), 2: (4, 1), 3: (8, 3), 4: (2, 1), 5: (8, 5), 6: (4, 3), 7: (8, 7), 8: (1, 1)}
 
-Packer = Callable[[torch.Tensor, int], torch.Tensor]  # ([N, C], bits) -> [N, W] uint8
-Unpacker = Callable[[torch.Tensor, int, int], torch.Tensor]  # ([N, W], bits, C) -> [N, C]
+Packer = Callable[[torch.Tensor, int], torch.Tensor]  # ([..., C], bits) -> [..., W] uint8
+Unpacker = Callable[[torch.Tensor, int, int], torch.Tensor]  # ([..., W], bits, C) -> [..., C]
 
 
 def packed_width(count: int, bits: int) -> int:
@@ -50,20 +50,24 @@ def check_bits(bits: int) -> bool:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., C] (integers < 2**bits, any dtype) -> bytes [..., ceil(C*bits/8)] uint8."""
     _check(bits)
-    lead, count = codes.shape[:-1], codes.shape[-1]
-    out = PACKERS[bits](codes.reshape(-1, count), bits)  # [N, W]
-    return out.reshape(*lead, packed_width(count, bits))
+    return PACKERS[bits](codes, bits)
 
 
-def unpack(packed: torch.Tensor, bits: int, count: int | None = None) -> torch.Tensor:
-    """Inverse of :func:`pack`: bytes [..., W] -> codes [..., count] uint8 (count defaults to
-    every code the bytes hold, W * 8 // bits)."""
+def unpack(
+    packed: torch.Tensor,
+    bits: int,
+    count: int | None = None,
+    dtype: torch.dtype | None = torch.uint8,
+) -> torch.Tensor:
+    """Inverse of :func:`pack`: bytes [..., W] -> codes [..., count] (count defaults to every
+    code the bytes hold, W * 8 // bits) as ``dtype``; None keeps the integer dtype the
+    strategy makes (uint8, int32 or int64: an index for ``index_select`` without a copy)."""
     _check(bits)
-    lead, width = packed.shape[:-1], packed.shape[-1]
-    count = width * 8 // bits if count is None else count
-    assert packed_width(count, bits) == width, f"{count} codes of {bits} bits in {width} bytes"
-    out = UNPACKERS[bits](packed.reshape(-1, width), bits, count)  # [N, C]
-    return out.reshape(*lead, count)
+    count = packed.shape[-1] * 8 // bits if count is None else count
+    width = packed_width(count, bits)
+    assert packed.shape[-1] == width, f"{count} codes of {bits} bits in {packed.shape[-1]} bytes"
+    out = UNPACKERS[bits](packed, bits, count)
+    return out if dtype is None else out.to(dtype)
 
 
 def unpack4(b: torch.Tensor) -> torch.Tensor:
@@ -98,32 +102,33 @@ def _check(bits: int) -> None:
         raise InvalidArgumentError("bits", bits, "an int in 1..8")
 
 
-# -- strategies: each takes and gives [rows, width] (``benchmarks/pack_speed.py`` times them)
+# -- strategies: codes [..., C] <-> bytes [..., W] (``benchmarks/pack_speed.py`` times them)
 
 
-def pack_copy(flat: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_copy(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """bits == 8: a byte per code (a copy, never a view of the input)."""
-    return flat.to(torch.uint8, copy=True)
+    return codes.to(torch.uint8, copy=True)
 
 
-def pack_bytes(flat: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """bits in (1, 2, 4): byte j = sum_i code_{j*per+i} << (bits*i), as uint8 shifts and ors."""
     per = 8 // bits
-    count = flat.shape[1]
-    q = flat.to(torch.uint8)
-    if count % per:
-        q = torch.nn.functional.pad(q, (0, per - count % per))
-    out = q[:, 0::per].clone(memory_format=torch.contiguous_format)  # [N, W]
+    q = codes.to(torch.uint8)
+    if q.shape[-1] % per:
+        q = torch.nn.functional.pad(q, (0, per - q.shape[-1] % per))
+    out = q[..., 0::per].clone(memory_format=torch.contiguous_format)  # [..., W]
     for i in range(1, per):
-        out |= q[:, i::per] << (bits * i)
+        out |= q[..., i::per] << (bits * i)
     return out
 
 
-def pack_words(flat: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Any bits: k codes make one word of k*bits/8 bytes, added up exactly in a float
     (torch's integer shifts are not vectorized here) and viewed as its low bytes."""
     assert sys.byteorder == "little", "byte views assume a little-endian machine"
-    n, count = flat.shape
+    lead, count = codes.shape[:-1], codes.shape[-1]
+    flat = codes.reshape(-1, count)  # [N, C]
+    n = flat.shape[0]
     k, nb = _WORDS[bits]
     groups = (count + k - 1) // k
     if groups * k != count:
@@ -134,30 +139,35 @@ def pack_words(flat: torch.Tensor, bits: int) -> torch.Tensor:
     for i in range(1, k):
         word.add_(c[:, i::k], alpha=1 << (bits * i))
     if nb == 1:
-        return word.to(torch.uint8)
+        return word.to(torch.uint8).view(*lead, groups)[..., : packed_width(count, bits)]
     word = word.to(torch.int32 if nb <= 3 else torch.int64)
     out = word.view(torch.uint8).view(n, groups, word.element_size())[:, :, :nb]
-    return out.reshape(n, groups * nb)[:, : packed_width(count, bits)]
+    return out.reshape(*lead, groups * nb)[..., : packed_width(count, bits)]
 
 
-def unpack_copy(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+def unpack_copy(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """bits == 8: the bytes themselves (a copy)."""
-    return flat.to(torch.uint8, copy=True)
+    return packed.to(torch.uint8, copy=True)
 
 
-def unpack_int16(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+def unpack_int16(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """bits == 4: :func:`unpack4`."""
-    return unpack4(flat)[:, :count]
+    out = unpack4(packed)
+    return out if out.shape[-1] == count else out[..., :count]
 
 
-def unpack_table(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+def unpack_table(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """bits in (1, 2, 4): one lookup per byte in the [256, 8/bits] table of its codes."""
-    table = byte_codes(bits, flat.device)  # [256, 8/bits]
-    return table.index_select(0, flat.reshape(-1).int()).view(flat.shape[0], -1)[:, :count]
+    table = byte_codes(bits, packed.device)  # [256, 8/bits]
+    out = table.index_select(0, packed.reshape(-1).int()).view(*packed.shape[:-1], -1)
+    return out if out.shape[-1] == count else out[..., :count]
 
 
-def unpack_words(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Any bits: each word's bytes widened to an int, shifted by a [k] vector, masked."""
+def unpack_words(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Any bits: each word's bytes widened to an int, shifted by a [k] vector, masked
+    (int32 codes for words of <= 3 bytes, else int64)."""
+    lead = packed.shape[:-1]
+    flat = packed.reshape(-1, packed.shape[-1])  # [N, W]
     n = flat.shape[0]
     k, nb = _WORDS[bits]
     groups = (count + k - 1) // k
@@ -166,15 +176,16 @@ def unpack_words(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     word = torch.nn.functional.pad(p, (0, size - nb)).view(wide)  # [N, G, 1]
     shifts = torch.arange(k, dtype=wide, device=flat.device) * bits  # [k]
     codes = (word >> shifts) & ((1 << bits) - 1)  # [N, G, k]
-    return codes.view(n, groups * k)[:, :count].to(torch.uint8)
+    return codes.view(*lead, groups * k)[..., :count]
 
 
-def unpack_shifts(flat: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+def unpack_shifts(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """bits in (1, 2, 4): 8/bits shifted and masked copies of the bytes, interleaved (any
     byte order)."""
     per = 8 // bits
-    parts = [(flat >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
-    return torch.stack(parts, dim=-1).reshape(flat.shape[0], -1)[:, :count]
+    parts = [(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
+    out = torch.stack(parts, dim=-1).view(*packed.shape[:-1], -1)
+    return out if out.shape[-1] == count else out[..., :count]
 
 
 # bits -> strategy, the fastest measured here for the shapes the codecs use

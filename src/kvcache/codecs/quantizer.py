@@ -140,12 +140,16 @@ class TurboQuantizer:
 
     # -- decoding -------------------------------------------------------------------------
 
-    def decode_keys(self, enc: Encoded, offset: torch.Tensor | None = None) -> torch.Tensor:
-        """Reconstructed keys [N, D] (QJL mode: codebook part plus the unbiased sketch part)."""
+    def decode_keys(
+        self, enc: Encoded, offset: torch.Tensor | None = None, index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Reconstructed keys [N, D] (QJL mode: codebook part plus the unbiased sketch part).
+        ``offset``: as encoded ([D] or [N, D]), or a table [J, D] with ``index`` [N] (row i
+        was encoded with offset[index[i]])."""
         rotated = self._centroids(enc, self.key_codebook)
         if self.key_mode == "qjl":
             rotated = rotated + self.qjl.decode(enc.sketch, enc.residual.float())
-        return self._unrotate(rotated, enc, offset)
+        return self._unrotate(rotated, enc, offset, index)
 
     def decode_values(self, enc: Encoded, offset: torch.Tensor | None = None) -> torch.Tensor:
         """Reconstructed values [N, D]."""
@@ -158,11 +162,18 @@ class TurboQuantizer:
         return book.decode_packed(enc.codes, self.padded) * (1.0 / math.sqrt(self.padded))
 
     def _unrotate(
-        self, rotated: torch.Tensor, enc: Encoded, offset: torch.Tensor | None
+        self,
+        rotated: torch.Tensor,
+        enc: Encoded,
+        offset: torch.Tensor | None,
+        index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scale, flag = split_flag(enc.scale)
         x = self.rotation.inverse(rotated * scale)
-        return x if offset is None else x + flag * self._offset(offset, len(enc))
+        if offset is None:
+            return x
+        off = self._offset(offset, len(enc), index)
+        return x + flag * (off if index is None else off[index])
 
     # -- attention ------------------------------------------------------------------------
 
@@ -177,8 +188,10 @@ class TurboQuantizer:
         enc: Encoded,
         offset: torch.Tensor | None = None,
         rotated: bool = False,
+        index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Estimated <q_i, k_j> (unscaled): q [Q, D] (or [Q, P] if ``rotated``) -> [Q, N]."""
+        """Estimated <q_i, k_j> (unscaled): q [Q, D] (or [Q, P] if ``rotated``) -> [Q, N];
+        ``offset`` and ``index`` as for :meth:`decode_keys` (a table is rotated once)."""
         qr = q.float() if rotated else self.rotate_queries(q)
         if qr.dim() != 2 or qr.shape[1] != self.padded:
             raise DimensionMismatchError(f"[Q, {self.padded}]", tuple(qr.shape), "rotated query")
@@ -188,9 +201,11 @@ class TurboQuantizer:
             scores = scores + self.qjl.inner(qr, enc.sketch, enc.residual.float())
         scores = scores * scale.T
         if offset is not None:
-            off = self._offset(offset, len(enc))
-            off_rot = self.rotation.forward(off[None] if off.dim() == 1 else off)  # [1 or N, P]
-            scores = scores + (qr @ off_rot.T) * flag.T  # <q, offset> where flagged
+            off = self._offset(offset, len(enc), index)
+            off_rot = self.rotation.forward(off[None] if off.dim() == 1 else off)  # [1|N|J, P]
+            dots = qr @ off_rot.T  # [Q, 1|N|J]
+            dots = dots if index is None else dots[:, index]  # [Q, 1 or N]
+            scores = scores + dots * flag.T  # <q, offset> where flagged
         return scores
 
     def weighted_values(
@@ -222,9 +237,18 @@ class TurboQuantizer:
         """Stored bytes of one value vector."""
         return packed_width(self.padded, self.bits) + 2
 
-    def _offset(self, offset: torch.Tensor, rows: int) -> torch.Tensor:
-        """Validated float32 offset: [D] (shared) or [rows, D] (one per row)."""
-        if offset.shape not in ((self.head_dim,), (rows, self.head_dim)):
+    def _offset(
+        self, offset: torch.Tensor, rows: int, index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Validated float32 offset: [D] (shared), [rows, D] (one per row), or with ``index``
+        [rows] a table [J, D] that the index picks from."""
+        if index is not None:
+            if index.shape != (rows,) or offset.dim() != 2 or offset.shape[1] != self.head_dim:
+                want = f"offset [J, {self.head_dim}] and index [{rows}]"
+                got = (tuple(offset.shape), tuple(index.shape))
+                raise DimensionMismatchError(want, got, "offset table and index shapes")
+            self._check_device(index, "index")
+        elif offset.shape not in ((self.head_dim,), (rows, self.head_dim)):
             want = f"[{self.head_dim}] or [{rows}, {self.head_dim}]"
             raise DimensionMismatchError(want, tuple(offset.shape), "offset shape")
         self._check_device(offset, "offset")
