@@ -21,7 +21,7 @@ import torch
 from kvcache.codecs.device import served_device
 from kvcache.codecs.encoded import SCALE_DTYPE
 from kvcache.codecs.pack import pack, packed_width, unpack
-from kvcache.codecs.rotation import blocked
+from kvcache.codecs.rotation import padded_rows
 
 
 class QJLSketch:
@@ -64,7 +64,7 @@ class QJLStack:
     def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """r [H, N, P] -> (sign bits of S_h r [H*N, ceil(m/8)] uint8, ||r|| [H*N, 1] bf16)."""
         transposed = self.matrices.transpose(1, 2)  # [H, P, m]
-        proj = blocked(lambda b: torch.bmm(b, transposed), r)  # [H, N, m]
+        proj = padded_rows(lambda b: torch.bmm(b, transposed), r)  # [H, N, m]
         rows = r.shape[0] * r.shape[1]
         bits = pack((proj >= 0).view(rows, -1), 1)
         norms = torch.linalg.vector_norm(r, dim=-1).view(rows, 1)

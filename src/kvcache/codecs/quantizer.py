@@ -341,7 +341,7 @@ class HeadStack:
             x = torch.addcmul(x, flag.float(), offsets, value=-1.0)
         flag = flag.view(-1, 1)  # [H*c, 1]
         p = self.first.padded
-        y = self.rotations.forward(x).view(-1, p)  # [H*c, P], orthonormal
+        y = self.rotations.forward(x).reshape(-1, p)  # [H*c, P], orthonormal
         norm = _row_norms(y)  # [H*c, 1] (the rotation keeps norms)
         inv = 1.0 / norm.clamp_min(1e-30)  # finite, so 0 * inv is never NaN
         root = math.sqrt(p)
