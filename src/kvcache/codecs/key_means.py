@@ -25,6 +25,7 @@ failed push changes nothing.
 
 from __future__ import annotations
 
+import bisect
 import copy
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ _FIXED_MAX = 2.0**20  # keys clamped to +-2^20 for the sum: 2^22 * 2^40 < 2^63
 
 
 def _snapshot_counts() -> list[int]:
-    """Key counts at which a mean snapshot is taken: 1, 4, 16, ..., the last one."""
+    """Key counts at which a mean snapshot is taken: 1, 2, 4, ..., the last one."""
     counts, at = [], 1
     while at <= _LAST_SNAPSHOT:
         counts.append(at)
@@ -54,11 +55,11 @@ _EDGES = [c - 1 for c in _COUNTS]  # segment j = tokens [_EDGES[j], _EDGES[j+1])
 def _pieces(start: int, stop: int) -> list[tuple[int, int, int]]:
     """Tokens [start, stop) split by segment: (first, end, segment) with end exclusive."""
     out = []
-    for j, edge in enumerate(_EDGES):
-        end = _EDGES[j + 1] if j + 1 < len(_EDGES) else stop
-        lo, hi = max(start, edge), min(stop, end)
-        if lo < hi:
-            out.append((lo, hi, j))
+    j = bisect.bisect_right(_EDGES, start) - 1  # the segment of token `start`
+    while start < stop:
+        end = min(stop, _EDGES[j + 1]) if j + 1 < len(_EDGES) else stop
+        out.append((start, end, j))
+        start, j = end, j + 1
     return out
 
 
@@ -89,10 +90,10 @@ class KeyMeans:
         summed = keys[: max(0, _LAST_SNAPSHOT - start)]  # keys the running sum still takes
         fixed = torch.round(summed.clamp(-_FIXED_MAX, _FIXED_MAX) * _FIXED_ONE).long()  # [n, D]
         means = list(self.means)
-        for count in _COUNTS:
-            if start < count <= stop:  # the first `count` keys are all in: snapshot their mean
-                total = self.total + fixed[: count - start].sum(0)
-                means.append((total.double() / (_FIXED_ONE * count)).to(SCALE_DTYPE))
+        reached = _COUNTS[bisect.bisect_right(_COUNTS, start) : bisect.bisect_right(_COUNTS, stop)]
+        for count in reached:  # the first `count` keys are all in: snapshot their mean
+            total = self.total + fixed[: count - start].sum(0)
+            means.append((total.double() / (_FIXED_ONE * count)).to(SCALE_DTYPE))
         return MeansPlan(tuple(means), self.total + fixed.sum(0), stop)
 
     def offsets(self, plan: MeansPlan, start: int, stop: int) -> list[Piece]:
