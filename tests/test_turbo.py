@@ -14,7 +14,7 @@ from kvcache.codecs.codebook import lloyd_max
 from kvcache.codecs.lloyd import BetaCoordinate, lloyd_levels
 from kvcache.codecs.pack import pack
 from kvcache.codecs.qjl import QJLSketch
-from kvcache.codecs.quantizer import TurboQuantizer
+from kvcache.codecs.quantizer import HeadStack, TurboQuantizer
 from kvcache.codecs.rotation import Rotation, RotationStack, fwht, hadamard, padded_dim
 from kvcache.compressed import KVCacheCompressor, KVCacheConfig, MultiHeadKVCache
 from kvcache.errors import (
@@ -393,6 +393,9 @@ def test_inputs_on_another_device_raise_a_typed_error():
         tq.encode_keys(on_meta)
     with pytest.raises(InvalidArgumentError, match="offset.device"):
         tq.encode_keys(torch.zeros(3, 64), torch.zeros(64, device="meta"))
+    stack = HeadStack([tq, TurboQuantizer(64, 4, seed=1)])
+    with pytest.raises(InvalidArgumentError, match="x.device"):
+        stack.encode_values(torch.zeros(2, 3, 64, device="meta"))
     head = KVCacheCompressor(KVCacheConfig(64, 4))
     with pytest.raises(InvalidArgumentError, match="key.device"):
         head.push(on_meta, torch.zeros(3, 64))

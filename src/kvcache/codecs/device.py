@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.errors import InvalidConfigError, NotSupportedError
+from kvcache.errors import InvalidArgumentError, InvalidConfigError, NotSupportedError
 
 SERVED = ("cpu", "cuda")
 
@@ -41,3 +41,9 @@ def _cuda_has(d: torch.device) -> bool:
     if not torch.cuda.is_available():
         return False
     return d.index is None or d.index < torch.cuda.device_count()
+
+
+def require_on(x: torch.Tensor, device: torch.device, name: str) -> None:
+    """InvalidArgumentError unless tensor ``x`` (argument ``name``) lives on ``device``."""
+    if x.device != device:
+        raise InvalidArgumentError(f"{name}.device", str(x.device), f"{device}")

@@ -67,12 +67,12 @@ from collections.abc import Sequence
 import torch
 
 from kvcache.codecs.codebook import Codebook, lloyd_max
-from kvcache.codecs.device import served_device
+from kvcache.codecs.device import require_on, served_device
 from kvcache.codecs.encoded import SCALE_DTYPE, Encoded, split_flag, with_flag
 from kvcache.codecs.pack import pack, packed_width
 from kvcache.codecs.qjl import QJLSketch, QJLStack
 from kvcache.codecs.rotation import BLOCK, Rotation, RotationStack
-from kvcache.errors import DimensionMismatchError, InvalidArgumentError, InvalidConfigError
+from kvcache.errors import DimensionMismatchError, InvalidConfigError
 from kvcache.validate import config_int
 
 KEY_MODES = ("mse", "qjl")
@@ -247,21 +247,17 @@ class TurboQuantizer:
                 want = f"offset [J, {self.head_dim}] and index [{rows}]"
                 got = (tuple(offset.shape), tuple(index.shape))
                 raise DimensionMismatchError(want, got, "offset table and index shapes")
-            self._check_device(index, "index")
+            require_on(index, self.device, "index")
         elif offset.shape not in ((self.head_dim,), (rows, self.head_dim)):
             want = f"[{self.head_dim}] or [{rows}, {self.head_dim}]"
             raise DimensionMismatchError(want, tuple(offset.shape), "offset shape")
-        self._check_device(offset, "offset")
+        require_on(offset, self.device, "offset")
         return offset.float()
 
     def _check(self, x: torch.Tensor, name: str) -> None:
         if x.dim() != 2 or x.shape[1] != self.head_dim:
             raise DimensionMismatchError(f"[N, {self.head_dim}]", tuple(x.shape), f"{name} shape")
-        self._check_device(x, name)
-
-    def _check_device(self, x: torch.Tensor, name: str) -> None:
-        if x.device != self.device:
-            raise InvalidArgumentError(f"{name}.device", str(x.device), f"{self.device}")
+        require_on(x, self.device, name)
 
 
 class HeadStack:
@@ -300,6 +296,9 @@ class HeadStack:
         if h != self.heads or d != self.first.head_dim:
             want = f"[{self.heads}, N, {self.first.head_dim}]"
             raise DimensionMismatchError(want, tuple(x.shape), "x shape")
+        require_on(x, self.first.device, "x")
+        if offsets is not None:
+            require_on(offsets, self.first.device, "offsets")
         qjl = keys and self.first.key_mode == "qjl"
         book = self.first.key_codebook if keys else self.first.value_codebook
         device = self.first.device
