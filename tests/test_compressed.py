@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache.compressed import KVCacheCompressor, KVCacheConfig, MultiHeadKVCache
@@ -212,7 +212,7 @@ def test_thirty_tokens_at_once_equal_28_then_1_then_1():
     assert torch.equal(whole.attend(q[7]), parts.attend(q[7]))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     tokens=st.integers(2, 90),
     data=st.data(),

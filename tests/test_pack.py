@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache.codecs.pack import (
@@ -60,7 +60,7 @@ def pack_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     bits=st.integers(1, 8),
     count=st.integers(1, 70),
