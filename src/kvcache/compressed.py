@@ -53,7 +53,7 @@ import torch
 
 from kvcache.codecs.device import served_device
 from kvcache.codecs.encoded import Encoded
-from kvcache.codecs.key_means import KeyMeans, MeansPlan, NoKeyMeans
+from kvcache.codecs.key_means import KeyMeans, MeansPlan, NoKeyMeans, to_fixed
 from kvcache.codecs.quantizer import KEY_MODES, HeadStack, TurboQuantizer
 from kvcache.errors import (
     CallOrderError,
@@ -178,7 +178,8 @@ def _encode_push(
 ) -> tuple[list[MeansPlan], list[list[Encoded]], list[Encoded]]:
     """Encode a push of k, v [H, T, D] (T >= 1) for H heads at once, keys piece by piece of
     the centring schedule -> (plan per head, key pieces per head, values per head)."""
-    plans = [c.plan(k[h]) for h, c in enumerate(centres)]
+    fixed = to_fixed(k)  # [H, T, D] int64, all heads in one pass
+    plans = [c.plan(fixed[h]) for h, c in enumerate(centres)]
     start = centres[0].count
     pieces = [c.offsets(p, start, start + k.shape[1]) for c, p in zip(centres, plans, strict=True)]
     keys: list[list[Encoded]] = [[] for _ in centres]

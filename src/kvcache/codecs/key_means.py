@@ -63,6 +63,11 @@ def _pieces(start: int, stop: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def to_fixed(keys: torch.Tensor) -> torch.Tensor:
+    """Keys (any shape) as int64 multiples of 2^-20, clamped to +-2^20: exact to sum."""
+    return torch.round(keys.clamp(-_FIXED_MAX, _FIXED_MAX) * _FIXED_ONE).long()
+
+
 Piece = tuple[int, int, torch.Tensor | None]  # tokens [first, end) and their key offset
 
 
@@ -84,11 +89,11 @@ class KeyMeans:
         self.count = 0
         self.means: list[torch.Tensor] = []  # snapshot j: mean of keys [0, 2^j), bf16 [D]
 
-    def plan(self, keys: torch.Tensor) -> MeansPlan:
-        """The snapshots a push of keys [N, D] takes (those at counts it reaches)."""
-        start, stop = self.count, self.count + keys.shape[0]
-        summed = keys[: max(0, _LAST_SNAPSHOT - start)]  # keys the running sum still takes
-        fixed = torch.round(summed.clamp(-_FIXED_MAX, _FIXED_MAX) * _FIXED_ONE).long()  # [n, D]
+    def plan(self, fixed: torch.Tensor) -> MeansPlan:
+        """The snapshots a push of keys takes (those at counts it reaches); ``fixed``: the
+        keys [N, D] in fixed point (:func:`to_fixed`)."""
+        start, stop = self.count, self.count + fixed.shape[0]
+        fixed = fixed[: max(0, _LAST_SNAPSHOT - start)]  # keys the running sum still takes
         means = list(self.means)
         reached = _COUNTS[bisect.bisect_right(_COUNTS, start) : bisect.bisect_right(_COUNTS, stop)]
         for count in reached:  # the first `count` keys are all in: snapshot their mean
@@ -128,8 +133,8 @@ class KeyMeans:
 class NoKeyMeans(KeyMeans):
     """Null object: keys are encoded as they are (one segment, no offset, nothing stored)."""
 
-    def plan(self, keys: torch.Tensor) -> MeansPlan:
-        return MeansPlan((), self.total, self.count + keys.shape[0])
+    def plan(self, fixed: torch.Tensor) -> MeansPlan:
+        return MeansPlan((), self.total, self.count + fixed.shape[0])
 
     def offsets(self, plan: MeansPlan, start: int, stop: int) -> list[Piece]:
         return [(start, stop, None)]

@@ -12,7 +12,8 @@ How, per width (the fastest measured here, see ``benchmarks/pack_speed.py``):
     bits  pack                                    unpack
     8     a uint8 copy                            a uint8 copy
     4     2 strided uint8 shifts + or             int16 widening trick (``unpack4``)
-    1, 2  8/bits strided uint8 shifts + or        one lookup in a [256, 8/bits] byte table
+    2     4 strided uint8 shifts + or             4 shifted, masked copies, interleaved
+    1     8 strided uint8 shifts + or             one lookup in a [256, 8] byte table
     3,5,6,7  k codes -> one word (k strided       the word widened to int32/int64, shifted
           adds, exact in float32/float64/int64),  by a [k] vector, masked
           viewed as its k*bits/8 bytes
@@ -194,7 +195,7 @@ PACKERS: dict[int, Packer] = {
     5: pack_words, 6: pack_words, 7: pack_words, 8: pack_copy,
 }  # fmt: skip
 UNPACKERS: dict[int, Unpacker] = {
-    1: unpack_table, 2: unpack_table, 3: unpack_words, 4: unpack_int16,
+    1: unpack_table, 2: unpack_shifts, 3: unpack_words, 4: unpack_int16,
     5: unpack_words, 6: unpack_words, 7: unpack_words, 8: unpack_copy,
 }  # fmt: skip
 
