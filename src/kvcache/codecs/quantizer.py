@@ -52,7 +52,7 @@ compressed cache's centring has since become a function of the token index, see
 Speed (goal: encode >= 400k vectors/s at D = 128 on this 2-core machine; measured 460-480k
 wall, ~700k per CPU-second, for a batched 8-head push, see the benchmark): all heads of a
 push go through one batched pipeline (:class:`HeadStack`), so each step is one op for every
-head. Every step treats rows independently and the products run on fixed-size blocks
+head. Every step treats rows independently and the products run on a multiple of 16 rows
 (``rotation.py``), so a vector's codes do not depend on what it was encoded with.
 
 Devices: a quantizer's tensors (rotation, codebooks, sketch) live on its ``device``
