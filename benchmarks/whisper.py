@@ -1,6 +1,12 @@
-"""Whisper tiny.en on the cell cache vs no cache vs CTranslate2 float32 (same features, threads).
+"""Whisper tiny.en on the cell cache vs no cache vs CTranslate2 / faster-whisper (same threads).
 
-Questions answered, side by side in one run on this machine:
+Questions answered, side by side in one run on this machine (``--questions`` picks):
+
+* longform: a 3-minute clip (scripts/make_long_clips.py) transcribed end to end, ours vs
+  faster-whisper float32 and int8 on the same bundled CTranslate2 model, beam 1, with the
+  WER of each against the spoken text (issue 13: ours <= 1.0x faster-whisper's time);
+* batch: 8 distinct files of 40-46 s decoded together in one cell cache vs one after
+  another: aggregate audio seconds per second (issue 13: >= 3x), transcripts equal;
 
 * decode tokens/s: cached steps (WhisperKVCache) vs uncached (``forward_decoder`` over the
   whole sequence every step) vs ``ctranslate2.models.Whisper.generate`` on the same encoder
@@ -10,10 +16,12 @@ Questions answered, side by side in one run on this machine:
 * end-to-end real-time factor (log-mel + encoder + greedy decode, per audio second), ours and
   CTranslate2's (same log-mel features).
 
-Inputs: the espeak-ng fixtures of tests/fixtures/audio and a 30 s clip made of all of them.
-Goals (issue 4): cached >= 4x uncached at 100+ tokens; end-to-end within 2x of CTranslate2.
+Inputs (decode): the espeak-ng fixtures of tests/fixtures/audio and a 30 s clip made of all
+of them. Goals (issue 4): cached >= 4x uncached at 100+ tokens; end-to-end within 2x of
+CTranslate2.
 
     .venv/bin/python benchmarks/whisper.py [--threads 2] [--repeats 3] [--forced-tokens 128]
+        [--questions decode longform batch] [--quick]
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,6 +45,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "audio"
+sys.path.insert(0, str(ROOT / "tests" / "models"))  # whisper_reference: the uncached decoder
 CLIP_SECONDS = 30.0
 PAUSE_S = 0.3  # let the other runtime's OpenMP threads stop spinning before timing
 
@@ -89,7 +101,7 @@ class Bench:
     def __init__(self, threads: int, repeats: int) -> None:
         import ctranslate2
 
-        from kvcache.transcribe import Transcriber
+        from kvcache.transcription import Transcriber
         from kvcache.weights.ctranslate2 import bundled_whisper_dir
 
         torch.set_num_threads(threads)
@@ -112,15 +124,21 @@ class Bench:
         ct2_suppress: list[int],
     ) -> tuple[float, float, float, list[int], bool]:
         """tok/s cached, uncached, CTranslate2 on one window's encoder output."""
-        from kvcache.transcribe import greedy_decode
+        from whisper_reference import greedy_uncached
+
+        from kvcache.models.whisper_decode import WhisperKVCache
+        from kvcache.transcription.search import SampleSearch, SearchSpec, run_search
 
         model, prompt = self.tr.model, self.tr.prompt(False)
-        t_c, toks = median_time(
-            lambda: greedy_decode(model, audio_states, prompt, rules, max_new), self.repeats
-        )
+
+        def cached() -> list[int]:
+            search = SampleSearch(SearchSpec(prompt, rules, max_new), [0])
+            return run_search(model, search, WhisperKVCache(model, audio_states)).tokens
+
+        t_c, toks = median_time(cached, self.repeats)
         assert isinstance(toks, list)
         t_u, toks_u = median_time(
-            lambda: greedy_decode(model, audio_states, prompt, rules, max_new, cached=False), 1
+            lambda: greedy_uncached(model, audio_states, prompt, rules, max_new), 1
         )
         assert toks_u == toks, "cached and uncached greedy decoding disagree"
 
@@ -140,7 +158,6 @@ class Bench:
 
     def row(self, name: str, audio: np.ndarray) -> Row:
         from kvcache.audio.mel import whisper_features
-        from kvcache.transcribe import DecodeOptions
 
         model = self.tr.model
         mel_s, feats = median_time(lambda: whisper_features(audio), self.repeats)
@@ -162,9 +179,7 @@ class Bench:
         )
 
         def ours_e2e() -> str:
-            return self.tr.tokenizer.decode(
-                self.tr.decode_window(whisper_features(audio), DecodeOptions())
-            )
+            return self.tr.tokenizer.decode(self.tr.decode_window(whisper_features(audio)))
 
         e2e_s, _ = median_time(ours_e2e, self.repeats)
 
@@ -183,7 +198,7 @@ class Bench:
     def forced(self, audio: np.ndarray, n: int) -> dict[str, float | int | bool]:
         """Decode exactly ``n`` tokens (eot suppressed) of one window: the 100+ token ratio."""
         from kvcache.audio.mel import whisper_features
-        from kvcache.transcribe import LogitRules
+        from kvcache.transcription.rules import LogitRules
 
         feats = whisper_features(audio)
         with torch.inference_mode():
@@ -210,6 +225,90 @@ class Bench:
             "cached_over_ct2": cached / ct2_rate,
             "same_tokens_as_ct2": same,
         }
+
+
+def make_long_clips(out: Path) -> dict[str, tuple[np.ndarray, str]]:
+    """The clips of scripts/make_long_clips.py: name -> (16 kHz samples, spoken text)."""
+    from kvcache.audio.io import load_audio
+
+    script = ROOT / "scripts" / "make_long_clips.py"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True)
+    clips = {}
+    for meta_file in sorted(out.glob("*.json")):
+        meta = json.loads(meta_file.read_text())
+        text = " ".join(s["text"] for s in meta["sentences"])
+        clips[meta_file.stem] = (load_audio(meta_file.with_suffix(".wav")), text)
+    return clips
+
+
+def wer(reference: str, hypothesis: str) -> float:
+    import jiwer
+    from whisper_normalizer.english import EnglishTextNormalizer
+
+    norm = EnglishTextNormalizer()
+    return float(jiwer.wer(norm(reference), norm(hypothesis)))
+
+
+def longform(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[str, Any]:
+    """One long clip end to end: ours vs faster-whisper float32 and int8, beam 1."""
+    from faster_whisper import WhisperModel
+
+    from kvcache.transcription import TranscribeOptions
+    from kvcache.transcription.transcriber import bundled
+    from kvcache.weights.ctranslate2 import bundled_whisper_dir
+
+    torch.set_num_threads(threads)
+    tr = bundled()
+    t_ours, ours = median_time(lambda: tr.transcribe(audio, TranscribeOptions()), repeats)
+    row: dict[str, Any] = {"audio_s": len(audio) / 16000, "ours_s": t_ours}
+    row["ours_wer"] = wer(text, ours.text)  # type: ignore[attr-defined]
+    for compute in ("float32", "int8"):
+        fw = WhisperModel(
+            str(bundled_whisper_dir()), device="cpu", compute_type=compute, cpu_threads=threads
+        )
+
+        def run(fw: Any = fw) -> str:
+            return " ".join(s.text for s in fw.transcribe(audio, beam_size=1)[0])
+
+        t_fw, fw_text = median_time(run, repeats)
+        row[f"fw_{compute}_s"] = t_fw
+        row[f"fw_{compute}_wer"] = wer(text, str(fw_text))
+    row["ours_over_fw_float32"] = t_ours / row["fw_float32_s"]
+    return row
+
+
+def batch(files: list[np.ndarray], threads: int, repeats: int) -> dict[str, Any]:
+    """Files decoded together in one cell cache vs one after another."""
+    from kvcache.transcription import TranscribeOptions
+    from kvcache.transcription.transcriber import bundled
+
+    torch.set_num_threads(threads)
+    tr, opts = bundled(), TranscribeOptions()
+    audio_s = sum(len(f) for f in files) / 16000
+    t_seq, alone = median_time(lambda: [tr.transcribe(f, opts) for f in files], repeats)
+    t_batch, together = median_time(lambda: tr.transcribe_many(files, opts), repeats)
+    same = [a.text for a in alone] == [b.text for b in together]  # type: ignore[attr-defined]
+    return {
+        "files": len(files),
+        "seconds_each": [round(len(f) / 16000, 2) for f in files],
+        "audio_s": audio_s,
+        "one_after_another_s": t_seq,
+        "together_s": t_batch,
+        "one_after_another_audio_s_per_s": audio_s / t_seq,
+        "together_audio_s_per_s": audio_s / t_batch,
+        "speedup": t_seq / t_batch,
+        "same_transcripts": same,
+    }
+
+
+def eight_files(clips: dict[str, tuple[np.ndarray, str]], seconds: float) -> list[np.ndarray]:
+    """8 distinct files of up to ``seconds``: the long clips cut into pieces (no overlap)."""
+    pieces = []
+    for name in ("long180", "long90", "long45", "slt40"):
+        audio = clips[name][0]
+        n = int(seconds * 16000)
+        pieces += [audio[i : i + n] for i in range(0, len(audio) - 30 * 16000, n)]
+    return pieces[:8]
 
 
 def print_table(rows: list[Row], forced: dict[str, Any]) -> None:
@@ -273,7 +372,8 @@ def plot(rows: list[Row], forced: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description="Whisper tiny.en decode/encode/end-to-end speed: cached vs uncached vs CTranslate2 float32.",
+        description="Whisper tiny.en: decode speed (cached/uncached/CTranslate2), long-form vs "
+        "faster-whisper, several files together vs one after another.",
     )
     p.add_argument(
         "--threads", type=int, default=2, help="torch and CTranslate2 threads (default 2)"
@@ -288,6 +388,14 @@ def main() -> None:
         "--forced-tokens", type=int, default=128, help="tokens of the forced decode (default 128)"
     )
     p.add_argument(
+        "--questions",
+        nargs="+",
+        choices=["decode", "longform", "batch"],
+        default=["decode", "longform", "batch"],
+        help="what to measure (default: all)",
+    )
+    p.add_argument("--quick", action="store_true", help="1 repeat, 45 s clip, 30 s files")
+    p.add_argument(
         "--json", type=Path, default=ROOT / "benchmarks/results/whisper.json", help="JSON output"
     )
     p.add_argument(
@@ -295,41 +403,69 @@ def main() -> None:
     )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = p.parse_args()
+    if args.quick:
+        args.repeats = 1
 
     from kvcache.audio.io import load_audio
 
     load_before = os.getloadavg()
-    bench = Bench(args.threads, args.repeats)
-    names = json.loads((FIXTURES / "sentences.json").read_text())
-    clip = make_clip()
-    rows = [bench.row(Path(n).stem, load_audio(FIXTURES / n)) for n in names]
-    rows.append(bench.row("clip_30s", clip))
-    forced = bench.forced(clip, args.forced_tokens)
-    print_table(rows, forced)
-    result = {
+    result: dict[str, Any] = {
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "threads": args.threads,
             "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
         },
         "torch": torch.__version__,
-        "ctranslate2": bench.ct2mod.__version__,
         "repeats": args.repeats,
-        "rows": [asdict(r) for r in rows],
-        "forced": forced,
-        "goals": {
+    }
+    if "decode" in args.questions:
+        bench = Bench(args.threads, args.repeats)
+        names = json.loads((FIXTURES / "sentences.json").read_text())
+        clip = make_clip()
+        rows = [bench.row(Path(n).stem, load_audio(FIXTURES / n)) for n in names]
+        rows.append(bench.row("clip_30s", clip))
+        forced = bench.forced(clip, args.forced_tokens)
+        print_table(rows, forced)
+        result["ctranslate2"] = bench.ct2mod.__version__
+        result["rows"] = [asdict(r) for r in rows]
+        result["forced"] = forced
+        result["goals"] = {
             "cached_over_uncached_at_100plus": forced["cached_over_uncached"],
             "e2e_ours_over_ct2_clip": rows[-1].e2e_s / rows[-1].ct2_e2e_s,
-        },
-    }
+        }
+        if not args.no_plot:
+            plot(rows, forced, args.png)
+            print(f"wrote {args.png}")
+    if {"longform", "batch"} & set(args.questions):
+        with tempfile.TemporaryDirectory() as tmp:
+            clips = make_long_clips(Path(tmp))
+        if "longform" in args.questions:
+            name = "long45" if args.quick else "long180"
+            lf = longform(*clips[name], args.threads, args.repeats)
+            lf["clip"] = name
+            result["longform"] = lf
+            print(
+                f"\nlong-form {name} ({lf['audio_s']:.0f} s): ours {lf['ours_s']:.2f} s "
+                f"(WER {lf['ours_wer']:.3f}), faster-whisper float32 {lf['fw_float32_s']:.2f} s "
+                f"(WER {lf['fw_float32_wer']:.3f}), int8 {lf['fw_int8_s']:.2f} s "
+                f"(WER {lf['fw_int8_wer']:.3f}); ours / fw float32 = "
+                f"{lf['ours_over_fw_float32']:.2f}x (goal <= 1.0x)"
+            )
+        if "batch" in args.questions:
+            files = eight_files(clips, 30.0 if args.quick else 46.0)
+            b = batch(files, args.threads, args.repeats)
+            result["batch"] = b
+            print(
+                f"\n{b['files']} files ({b['audio_s']:.0f} s of audio): together "
+                f"{b['together_audio_s_per_s']:.1f} audio s/s, one after another "
+                f"{b['one_after_another_audio_s_per_s']:.1f} audio s/s -> {b['speedup']:.2f}x "
+                f"(goal >= 3x); same transcripts: {b['same_transcripts']}"
+            )
+    result["machine"]["loadavg_after"] = os.getloadavg()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.json}")
-    if not args.no_plot:
-        plot(rows, forced, args.png)
-        print(f"wrote {args.png}")
 
 
 if __name__ == "__main__":

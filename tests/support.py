@@ -24,4 +24,4 @@ def add_shift(layer: int, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Te
 
 def stored_keys(cache, layer: int) -> torch.Tensor:
     """Every cell's stored key of a layer, decoded: [N, H, D]."""
-    return cache.storage.layers[layer].keys.read(0, cache.num_cells, cache.dtype)
+    return cache.storage.read(layer, slice(0, cache.num_cells))[0]

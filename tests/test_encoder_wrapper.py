@@ -47,6 +47,28 @@ def test_encoder_put_reuses_buffer_in_place():
     assert enc.encoder_cached
 
 
+def test_encoder_put_item_replaces_one_input_in_place():
+    """One of several inputs held side by side (e.g. one file's audio window) is replaced;
+    the others and the buffer stay; a bad call changes nothing."""
+    enc = EncoderCache()
+    enc.start_forward(Batch([0], [0], encoder_inputs=[0]))
+    k = torch.arange(24.0).view(3, 2, 4)  # 3 inputs of [2, 4]
+    enc.put(0, k, -k)
+    buf = enc.get(0)[0].data_ptr()
+    enc.put_item(0, 1, torch.full((2, 4), 7.0), torch.full((2, 4), -7.0))
+    keys, values, _ = enc.get(0)
+    assert keys.data_ptr() == buf
+    assert torch.equal(keys[1], torch.full((2, 4), 7.0)) and torch.equal(values[1], -keys[1])
+    assert torch.equal(keys[0], k[0]) and torch.equal(keys[2], k[2])
+    with pytest.raises(InvalidArgumentError, match="item"):
+        enc.put_item(0, 3, torch.zeros(2, 4), torch.zeros(2, 4))
+    with pytest.raises(InvalidArgumentError, match="value"):
+        enc.put_item(0, 0, torch.zeros(2, 4), torch.zeros(4, 2))
+    assert torch.equal(enc.get(0)[0][0], k[0])  # the key was not written either
+    with pytest.raises(CallOrderError, match="put"):
+        enc.put_item(1, 0, torch.zeros(2, 4), torch.zeros(2, 4))
+
+
 def test_wrapper_routes_layers_and_forwards_bookkeeping():
     enc, self_attn = EncoderCache(), CausalCache(8, max_sequences=2, dtype=torch.float64)
     cache = WrapperCache(enc, self_attn)

@@ -8,7 +8,28 @@ import torch
 
 from kvcache import Batch, CausalCache
 from kvcache.errors import InvalidArgumentError, InvalidConfigError
-from test_codecs import outlier_rows, rope_like, scenario
+from support import render
+from test_codecs import D, H, outlier_rows, rope_like
+
+
+def scenario(cache: CausalCache) -> list[tuple[list[str], torch.Tensor]]:
+    """Two sequences, sharing, removal with shifting: (mask, keys) after each forward."""
+    out = []
+
+    def fwd(positions, seqs):
+        cache.start_forward(Batch(positions, seqs))
+        g = torch.Generator().manual_seed(sum(positions) + 7 * len(seqs))
+        x = torch.randn(len(positions), H, D, generator=g)
+        k, _, mask = cache.update(0, x, x)
+        out.append((render(mask), k.clone()))
+
+    fwd(list(range(6)), [0] * 6)
+    cache.copy_prefix(0, 1, 4)
+    fwd([6, 4, 5], [0, 1, 1])
+    cache.remove(1, 0)
+    cache.remove(0, 2, 4)  # moves positions 4..6 of seq 0 down by 2 (re-rotated keys)
+    fwd([5, 6], [0, 0])
+    return out
 
 
 def test_pre_rope_fp32_gives_the_same_keys_and_masks_as_post():
@@ -24,8 +45,10 @@ def test_pre_rope_fp32_gives_the_same_keys_and_masks_as_post():
 
 @pytest.mark.parametrize("name, tol", [("kivi4", 0.6), ("turbo4", 1.5), ("int4", 0.6)])
 def test_quantized_pre_rope_keeps_float_semantics(name, tol):
+    # windows off: the 7 rows would all stay in fp16 (test_codecs runs long histories)
+    spec = {"kivi4": "kivi4:residual=64", "turbo4": "turbo4:recent=0"}.get(name, "int4:recent=0")
     ref = scenario(CausalCache(32, max_sequences=2, shift=rope_like))
-    got = scenario(CausalCache(32, max_sequences=2, shift=rope_like, codec=name, key_rope="pre"))
+    got = scenario(CausalCache(32, max_sequences=2, shift=rope_like, codec=spec, key_rope="pre"))
     for (mask_r, k_r), (mask_g, k_g) in zip(ref, got, strict=True):
         assert mask_r == mask_g
         visible = [r != "x" for r in mask_r[-1].split()]
@@ -37,30 +60,30 @@ def test_storage_holds_unrotated_keys_and_remove_only_moves_positions():
     x = outlier_rows(6)
     cache.start_forward(Batch.single(0, 0, 6))
     cache.update(0, x, x)
-    raw = cache.storage.layers[0].keys.read(0, 6, torch.float32)
+    raw = cache.storage.read(0, slice(0, 6))[0]
     assert torch.allclose(raw, rope_like(0, x, -torch.arange(6)), atol=1e-5)
     cache.remove(0, 1, 3)  # positions 3..5 move to 1..3
-    assert torch.equal(cache.storage.layers[0].keys.read(0, 6, torch.float32), raw)
+    assert torch.equal(cache.storage.read(0, slice(0, 6))[0], raw)
     assert cache.positions(0) == [0, 1, 2, 3]
     cells = torch.tensor([0, 3, 4, 5])
-    keys, values = cache.read_cells(0, cells)
+    keys, values = cache.read(0, cells)
     # the moved keys read back rotated for their new positions, as a post-RoPE shift gives
     expected = rope_like(0, x[[0, 3, 4, 5]], torch.tensor([0, -2, -2, -2]))
     assert torch.allclose(keys, expected, atol=1e-5)
     assert torch.equal(values, x[[0, 3, 4, 5]])
 
 
-def test_read_cells_matches_get_and_checks_its_input():
+def test_read_matches_get_and_checks_its_input():
     cache = CausalCache(16, shift=rope_like, codec="kivi4")
     x = outlier_rows(5)
     cache.start_forward(Batch.single(0, 0, 5))
     keys, values, _ = cache.update(0, x, x)
-    got_k, got_v = cache.read_cells(0, torch.tensor([4, 1]))
+    got_k, got_v = cache.read(0, torch.tensor([4, 1]))
     assert torch.equal(got_k, keys[[4, 1]]) and torch.equal(got_v, values[[4, 1]])
     with pytest.raises(InvalidArgumentError, match="cells"):
-        cache.read_cells(0, torch.tensor([16]))
+        cache.read(0, torch.tensor([16]))
     with pytest.raises(InvalidArgumentError, match="layer"):
-        cache.read_cells(3, torch.tensor([0]))
+        cache.read(3, torch.tensor([0]))
 
 
 def test_key_rope_choice_and_errors():
@@ -73,14 +96,3 @@ def test_key_rope_choice_and_errors():
         CausalCache(8, codec="kivi4", key_rope="pre")
     with pytest.raises(InvalidConfigError, match="key_rope"):
         CausalCache(8, shift=rope_like, key_rope="sideways")
-
-
-def test_storage_needs_positions_when_keys_are_stored_before_rope():
-    cache = CausalCache(8, shift=rope_like, key_rope="pre")
-    x = outlier_rows(2)
-    cache.start_forward(Batch.single(0, 0, 2))
-    cache.update(0, x, x)
-    with pytest.raises(InvalidArgumentError, match="positions"):
-        cache.storage.view(0, 0, 2)
-    with pytest.raises(InvalidArgumentError, match="positions"):
-        cache.storage.write(0, slice(2, 3), x[:1], x[:1])

@@ -1,24 +1,32 @@
 """The multi-sequence causal cell cache (Ollama's ``kvcache.Causal`` design, atomic failures).
 
 Many sequences share one pool of N cells; every layer uses the same cell for a token. A
-forward places its tokens in the lowest free cells, writes K/V there layer by layer and reads
-back a contiguous *history range* of cells plus a mask saying which cells each batch row may
-attend to::
+forward places its tokens in the lowest free cells (Ollama's placement) and writes K/V there
+layer by layer. Attention is a cache operation: ``attention(layer, q, k, v)`` stores k/v and
+attends each batch row to exactly its own sequence's visible cells, read in position order
+straight from the stored codes (``kvcache.kernels``), a prefix shared by several rows of the
+batch read once for all of them::
 
     cells      0    1    2    3    4    5    6    7
-    seq/pos   a0   a1   b0   a2   --   b1   b2   --      (-- = free, masked)
+    seq/pos   a0   a1   b0   a2   --   b1   b2   --      (-- = free)
+    row (a, pos 3) reads cells 0, 1, 3 (a's cells by position); row (b, 2) reads 2, 5, 6
+
+For callers that attend themselves (the transformers adapter, the seed APIs, scenario tests)
+``get``/``update`` hand back a contiguous *history range* of cells plus a mask saying which
+cells each batch row may attend to::
+
     history        [--------------------------)          lo=1, hi=7 (covers the batch's seqs)
     mask row (a, pos 3):  a1 . a2 -- . . ->  x . x . . .   (row attends to a1, a2 and itself)
 
 Storage is preallocated per layer ([N, kv_heads, head_dim], token-major) in a codec's format
-(float, int8, int4, ...; K and V may differ); ``get`` returns views of cells [lo, hi) for a
-float codec in the compute ``dtype`` (decoded copies of just that range otherwise), never a
-concatenation, so a decode step writes only the new rows. Keys are stored after RoPE by
-default, and a middle ``remove`` decodes the moved keys, re-rotates them and encodes them
-again. With ``key_rope="pre"`` (the default for codecs that quantize keys per channel:
-kivi, turbo) the storage un-rotates keys before encoding and rotates them back on reads, so
-a ``remove`` only changes positions.
-Bookkeeping (``cells.py``) and the attention policy (``policy.py``) hold no tensors.
+(float, int8, int4, kivi, turbo; K and V may differ); quantizing codecs keep each sequence's
+newest rows in fp16 (``kvcache.recent``). Keys are stored after RoPE by default, and a middle
+``remove`` decodes the moved keys, re-rotates them and encodes them again. With
+``key_rope="pre"`` (the default for codecs that quantize keys per channel: kivi, turbo) keys
+are stored un-rotated, rotated back by position when read (in the kernels, from cos/sin
+tables), and a ``remove`` only changes positions.
+Bookkeeping (``cells.py``, ``recent.py``) and the attention policy (``policy.py``) hold no
+tensors.
 
 Every mutating call validates before it mutates: a call that raises leaves the cache as it
 was (``start_forward`` evicts nothing and places nothing; ``remove`` drops and shifts
@@ -27,8 +35,9 @@ nothing).
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,42 +45,26 @@ import torch
 from kvcache.batch import Batch
 from kvcache.cells import Cells
 from kvcache.codecs import Codec, FloatCodec, make_codec
+from kvcache.codecs.base import Locs
 from kvcache.errors import (
     CacheFullError,
     CallOrderError,
+    DimensionMismatchError,
     InvalidArgumentError,
     InvalidConfigError,
     NotSupportedError,
 )
+from kvcache.forward import ForwardPlan
+from kvcache.kernels.attend import attend
+from kvcache.kernels.reference import grouped_attention
 from kvcache.policy import Policy
-from kvcache.protocol import ShiftFn
+from kvcache.protocol import RotaryShift, ShiftFn
 from kvcache.storage import Storage, check_kv
 from kvcache.validate import config_int, int_arg, optional_config_int
 
 DEFAULT_MAX_BATCH = 512
-
-
-@dataclass
-class _Forward:
-    """State of the forward between ``start_forward`` and the next one."""
-
-    positions: np.ndarray  # [T] int64
-    seqs: np.ndarray  # [T] int64
-    locs: torch.Tensor | slice  # cells of the batch tokens (slice when contiguous)
-    lo: int  # history range [lo, hi) of cells
-    hi: int
-    causal_rows: np.ndarray  # [T] bool, False = exempt from causality (set_causal)
-    mask: torch.Tensor  # [T, hi - lo] bool
-    reserve: bool
-    pos_t: torch.Tensor | None = None  # [T] positions (keys stored before RoPE only)
-    hist_pos: torch.Tensor | None = None  # [hi - lo] cell positions (idem)
-
-
-def _as_locs(locs: np.ndarray, device: torch.device) -> torch.Tensor | slice:
-    first = int(locs[0])
-    if int(locs[-1]) - first == len(locs) - 1:
-        return slice(first, first + len(locs))
-    return torch.from_numpy(locs).to(device)
+# "reference": attend through get()'s history range and mask in plain torch (debugging)
+ATTENTION_ENV = "KVCACHE_ATTENTION"
 
 
 class CausalCache:
@@ -97,7 +90,9 @@ class CausalCache:
     ) -> None:
         """``key_rope``: "post" stores keys as given (rotated), "pre" un-rotates them by
         their positions through ``shift`` before the key codec encodes them; None picks
-        "pre" when there is a ``shift`` and the key codec prefers it (``Codec.pre_rope``)."""
+        "pre" when there is a ``shift`` and the key codec prefers it (``Codec.pre_rope``).
+        A ``shift`` that is a :class:`~kvcache.protocol.RotaryShift` (``Rope``) is applied
+        from cos/sin tables inside the attention kernels."""
         self.capacity = config_int("capacity", capacity, 1)
         self.max_sequences = config_int("max_sequences", max_sequences, 1)
         mb = optional_config_int("max_batch", max_batch, 1)
@@ -129,15 +124,9 @@ class CausalCache:
         if key_rope is None:
             key_rope = "pre" if shift is not None and self.key_codec.pre_rope else "post"
         self.key_rope = key_rope
-        self.storage = Storage(
-            self.num_cells,
-            dtype,
-            self.device,
-            self.key_codec,
-            self.value_codec,
-            rope=shift if key_rope == "pre" else None,
-        )
-        self._fwd: _Forward | None = None
+        self.storage = Storage(self.num_cells, dtype, self.device, self.key_codec, self.value_codec)
+        self._fwd: ForwardPlan | None = None
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, D/2]
         self._closed = False
 
     def _normalise_memory(self, memory: int | None) -> int | None:
@@ -156,7 +145,7 @@ class CausalCache:
 
     # ---- forward ---------------------------------------------------------------------
     def start_forward(self, batch: Batch, reserve: bool = False) -> None:
-        """Place the batch's tokens in free cells and build the mask all layers share.
+        """Place the batch's tokens in free cells; the forward's plan serves every layer.
 
         Raises CacheFullError (nothing evicted, nothing placed) when too few cells are free,
         and InvalidArgumentError when a token's (sequence, position) is already stored or
@@ -174,7 +163,7 @@ class CausalCache:
             if t > self.num_cells:
                 raise CacheFullError(t, self.cells.free_count(), self.num_cells)
             locs = np.arange(t, dtype=np.int64)
-            self._fwd = self._make_forward(positions, seqs, locs, 0, self.num_cells, True)
+            self._fwd = ForwardPlan(self, positions, seqs, locs, True, (None, None))
             return
         evictions = self._plan_eviction(positions, seqs)
         refs = self.cells.refs
@@ -188,12 +177,12 @@ class CausalCache:
         self._check_new_tokens(positions, seqs, evictions)
         batch_seqs = set(seqs.tolist())
         for seq, cells in evictions.items():
-            self.cells.release(seq, cells)
+            self._release(seq, cells)
             if seq not in batch_seqs and len(self.cells.cells_of(seq)) == 0:
-                self.cells.forget(seq)
+                self._forget(seq)
         self.cells.occupy(free, positions, seqs)
-        lo, hi = self._history(positions, seqs, free)
-        self._fwd = self._make_forward(positions, seqs, free, lo, hi, False)
+        seals = self.storage.plan(self.cells, free, seqs)
+        self._fwd = ForwardPlan(self, positions, seqs, free, False, seals)
 
     def _plan_eviction(self, positions: np.ndarray, seqs: np.ndarray) -> dict[int, np.ndarray]:
         """Cells each sequence drops before placement (limited memory only)."""
@@ -240,61 +229,10 @@ class CausalCache:
                     f"positions not yet stored for sequence {s} (remove({s}, ...) them first)",
                 )
 
-    def _history(
-        self, positions: np.ndarray, seqs: np.ndarray, locs: np.ndarray
-    ) -> tuple[int, int]:
-        """The padded cell range [lo, hi) the batch reads."""
-        lo, hi = int(locs.min()), int(locs.max())
-        for seq in np.unique(seqs):
-            s = int(seq)
-            if self.memory is None:
-                r_lo, r_hi = self.cells.ranges[s]
-            else:
-                cells = self.cells.cells_of(s)
-                floor = self.policy.history_floor(int(positions[seqs == seq].min()))
-                if floor is not None:
-                    cells = cells[self.cells.pos[cells] >= floor]
-                if len(cells) == 0:
-                    continue
-                r_lo, r_hi = int(cells[0]), int(cells[-1])
-            lo, hi = min(lo, r_lo), max(hi, r_hi)
-        p = self.padding
-        return lo // p * p, -(-(hi + 1) // p) * p
-
-    def _make_forward(
-        self,
-        positions: np.ndarray,
-        seqs: np.ndarray,
-        locs: np.ndarray,
-        lo: int,
-        hi: int,
-        reserve: bool,
-    ) -> _Forward:
-        causal_rows = np.ones(len(positions), dtype=bool)
-        fwd = _Forward(
-            positions,
-            seqs,
-            _as_locs(locs, self.device),
-            lo,
-            hi,
-            causal_rows,
-            torch.empty(0),
-            reserve,
-        )
-        fwd.mask = self._mask(fwd)
-        if self.storage.rope is not None:
-            fwd.pos_t = torch.from_numpy(positions).to(self.device)
-            fwd.hist_pos = torch.from_numpy(self.cells.pos[lo:hi].copy()).to(self.device)
-        return fwd
-
-    def _mask(self, fwd: _Forward) -> torch.Tensor:
-        cols = np.array([self.cells.cols.get(int(s), -1) for s in fwd.seqs], dtype=np.int64)
-        member = self.cells.member[fwd.lo : fwd.hi]  # [L, S]
-        rows = np.where(cols[None, :] >= 0, member[:, np.maximum(cols, 0)], False).T  # [T, L]
-        mask = self.policy.mask(
-            rows, fwd.positions, self.cells.pos[fwd.lo : fwd.hi], fwd.causal_rows
-        )
-        return torch.from_numpy(np.ascontiguousarray(mask)).to(self.device)
+    @property
+    def plan(self) -> ForwardPlan:
+        """The forward in progress (placement, visibility, masks), shared by every layer."""
+        return self._forward()
 
     def set_causal(self, except_rows: Sequence[int]) -> None:
         """Exempt these batch rows from causality (e.g. image tokens attend both ways)."""
@@ -306,9 +244,7 @@ class CausalCache:
             if r >= t:
                 raise InvalidArgumentError(f"except_rows[{i}]", r, f"a batch row < {t}")
             rows[r] = False
-        if not np.array_equal(rows, fwd.causal_rows):
-            fwd.causal_rows = rows
-            fwd.mask = self._mask(fwd)
+        fwd.set_causal_rows(rows)
 
     def put(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the batch's K/V ([T, kv_heads, head_dim] each) of one layer in its cells."""
@@ -317,26 +253,111 @@ class CausalCache:
         check_kv(key, value, len(fwd.positions))
         if fwd.reserve:
             self.storage.layer(layer, key, value)  # allocate only: reserve computes nothing
-        else:
-            self.storage.write(layer, fwd.locs, key, value, fwd.pos_t)
+            return
+        if self.key_rope == "pre":
+            key = self._rotate(layer, key, fwd.negated_positions(), fwd.unrotation())
+        self.storage.write(layer, fwd.cells_tensor(), key, value, fwd.seals)
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of the history range: keys [L, H, Dk], values [L, H, Dv], mask [T, L]."""
+        """The history range: keys [L, H, Dk], values [L, H, Dv], mask [T, L] (True = may
+        attend); views of the cells for a float codec of the cache's dtype."""
         fwd = self._forward()
         layer = int_arg("layer", layer)
         if layer not in self.storage.layers:
             raise CallOrderError(f"layer {layer} has no storage yet: put(layer, ...) first")
-        k, v = self.storage.view(layer, fwd.lo, fwd.hi, fwd.hist_pos)
-        return k, v, fwd.mask
+        lo, hi = fwd.history()
+        k, v = self.read(layer, slice(lo, hi))
+        return k, v, fwd.mask()
 
     def update(
         self, layer: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """put then get: the one call an attention layer makes."""
+        """put then get: the one call an attention layer that attends itself makes."""
         self.put(layer, key, value)
         return self.get(layer)
 
-    def _forward(self) -> _Forward:
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Store this layer's ``k``, ``v`` [T, Hkv, D] and attend: out [T, Hq, Dv] in q's
+        dtype, each row of ``q`` [T, Hq, D] over its own sequence's visible cells (query head
+        hq reads KV head hq // (Hq / Hkv)); ``scale`` defaults to 1/sqrt(D). A row that sees
+        nothing (a reserve forward) gives zeros."""
+        fwd = self._forward()
+        _check_query(q, k, len(fwd.positions))
+        self.put(layer, k, v)
+        if fwd.reserve:
+            return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+        s = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+        if not self._kernel_reads(q, v):
+            keys, values, mask = self.get(layer)
+            return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, s)
+        keys_l, values_l = self.storage.layouts(layer)
+        if values_l.rotated and values_l.rotation.numel() == 0:  # no matrix: head_dim > 128
+            keys, values, mask = self.get(layer)
+            return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, s)
+        plan = fwd.attention_plan(int(k.shape[1]), torch.get_num_threads())
+        pre = self.key_rope == "pre"
+        out = attend(
+            q,
+            plan,
+            keys_l,
+            values_l,
+            kv_heads=int(k.shape[1]),
+            scale=s,
+            pre_rope=pre,
+            rope=self._kernel_rope(plan.max_pos, int(q.shape[2])) if pre else None,
+        )
+        return out.to(q.dtype)
+
+    def _kernel_reads(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the C++ kernels serve this attention (else the plain-torch reference)."""
+        d = q.shape[2]
+        rotary = self.key_rope == "post" or isinstance(self.shift, RotaryShift)
+        return (
+            os.environ.get(ATTENTION_ENV, "") != "reference"
+            and self.device.type == "cpu"
+            and q.dtype != torch.float64
+            and self.dtype != torch.float64
+            and v.shape[2] == d
+            and d % 16 == 0
+            and d <= 256
+            and rotary
+        )
+
+    def _kernel_rope(self, max_pos: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin float32 [P, D/2] for positions < P (P > max_pos), grown by doubling."""
+        have = self._rope_tables
+        if have is None or have[0].shape[0] <= max_pos:
+            count = max(1024, 1 << (max_pos + 1).bit_length())
+            assert isinstance(self.shift, RotaryShift)
+            cos, sin = self.shift.tables(torch.arange(count), torch.float32)  # [P, 1, D]
+            half = dim // 2
+            have = (cos[:, 0, :half].contiguous(), sin[:, 0, half:].contiguous())
+            self._rope_tables = have
+        return have
+
+    def _rotate(
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Keys [n, H, D] rotated by ``positions`` (from ``tables`` of a rotary shift)."""
+        if isinstance(self.shift, RotaryShift) and tables is not None:
+            cos, sin = tables
+            return self.shift.rotate(keys, cos.to(keys.dtype), sin.to(keys.dtype))
+        assert self.shift is not None, "keys stored before RoPE need a shift"
+        return self.shift(layer, keys, positions).to(keys.dtype)
+
+    def _forward(self) -> ForwardPlan:
         self._check_open()
         if self._fwd is None:
             raise CallOrderError("no forward in progress: call start_forward(batch) first")
@@ -357,6 +378,7 @@ class CausalCache:
         self.remove(dst, 0)
         cells = self.cells.cells_of(src)
         self.cells.share(dst, cells[self.cells.pos[cells] < length])
+        self.storage.share(src, dst)
         self._fwd = None
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
@@ -377,14 +399,23 @@ class CausalCache:
         gone = cells[(pos >= begin) & (pos < end if end is not None else True)]
         moved = cells[pos >= end] if end is not None and end > begin else cells[:0]
         new_keys = self._shifted_keys(seq, moved, begin - (end or begin))
-        self.cells.release(seq, gone)
+        self._release(seq, gone)
         self.cells.move(seq, moved, begin - (end or begin))
         moved_t = torch.from_numpy(moved).to(self.device)
         for layer, keys in new_keys.items():
-            self.storage.layers[layer].keys.write(moved_t, keys)
+            self.storage.rewrite_keys(layer, moved_t, keys)
         if len(self.cells.cells_of(seq)) == 0:
-            self.cells.forget(seq)
+            self._forget(seq)
         self._fwd = None
+
+    def _release(self, seq: int, cells: np.ndarray) -> None:
+        """``seq`` stops using ``cells``; those nobody uses any more are freed in storage."""
+        self.cells.release(seq, cells)
+        self.storage.release(cells[self.cells.refs[cells] == 0])
+
+    def _forget(self, seq: int) -> None:
+        self.cells.forget(seq)
+        self.storage.forget(seq)
 
     def _shifted_keys(self, seq: int, moved: np.ndarray, offset: int) -> dict[int, torch.Tensor]:
         """Re-rotated keys of the moved cells for every layer, computed before any mutation."""
@@ -402,14 +433,14 @@ class CausalCache:
                 "a shift function (RoPE re-rotation); pass shift= to CausalCache"
             )
         out: dict[int, torch.Tensor] = {}
-        if self.storage.rope is not None:
+        if self.key_rope == "pre":
             return out  # stored un-rotated: the new positions are all that changes
         for layer, st in self.storage.layers.items():
             parts = []
             for i in range(0, len(moved), self.max_batch):
                 idx = torch.from_numpy(moved[i : i + self.max_batch]).to(self.device)
                 offsets = torch.full((len(idx),), offset, dtype=torch.int64, device=self.device)
-                keys = st.keys.gather(idx, self.dtype)  # [n, H, D], decoded
+                keys = st.keys.decode(idx, self.dtype)  # [n, H, D], decoded
                 parts.append(self.shift(layer, keys, offsets).to(self.dtype))
             out[layer] = torch.cat(parts)
         return out
@@ -427,20 +458,47 @@ class CausalCache:
         return max(0, pos - window) >= int(stored.min()) and pos <= int(stored.max()) + 1
 
     # ---- introspection ---------------------------------------------------------------
-    def read_cells(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded copies of the K/V in ``cells`` (LongTensor) of ``layer``, keys rotated for
-        the cells' positions as the model wrote them: [n, H, Dk], [n, H, Dv] in ``dtype``."""
+    def read(self, layer: int, cells: Locs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded K/V of ``cells`` (a LongTensor or a slice) of ``layer``, keys rotated for
+        the cells' positions as the model wrote them: [n, H, Dk], [n, H, Dv] in ``dtype``
+        (views of the storage for a float codec of that dtype and a slice)."""
         self._check_open()
         layer = int_arg("layer", layer)
         if layer not in self.storage.layers:
             raise InvalidArgumentError("layer", layer, f"one of {sorted(self.storage.layers)}")
-        cells = cells.to(torch.int64)
-        if len(cells) and (int(cells.min()) < 0 or int(cells.max()) >= self.num_cells):
-            raise InvalidArgumentError("cells", cells.tolist()[:8], f"cell ids < {self.num_cells}")
-        pos = None
-        if self.storage.rope is not None:
-            pos = torch.from_numpy(self.cells.pos[cells.cpu().numpy()]).to(self.device)
-        return self.storage.gather(layer, cells.to(self.device), pos)
+        if isinstance(cells, slice):
+            lo, hi = cells.start or 0, cells.stop
+            if not 0 <= lo <= hi <= self.num_cells:
+                raise InvalidArgumentError("cells", cells, f"a slice of [0, {self.num_cells}]")
+            idx = np.arange(lo, hi)
+        else:
+            cells = cells.to(torch.int64)
+            idx = cells.cpu().numpy()
+            if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.num_cells):
+                raise InvalidArgumentError(
+                    "cells", idx.tolist()[:8], f"cell ids < {self.num_cells}"
+                )
+        keys, values = self.storage.read(layer, cells)
+        if self.key_rope == "pre":
+            pos = torch.from_numpy(self.cells.pos[idx]).to(self.device)
+            keys = self._rotate(layer, keys, pos, None)
+        return keys, values
+
+    def layers(self) -> list[int]:
+        """Layers that have storage (a put happened)."""
+        return sorted(self.storage.layers)
+
+    def cells_of(self, seq: int) -> np.ndarray:
+        """Cells held by ``seq``, in position order (a copy)."""
+        return self.cells.ordered(int_arg("seq", seq)).copy()
+
+    def next_position(self, seq: int) -> int:
+        """One past the highest position stored for ``seq`` (0 when it holds nothing)."""
+        return self.cells.max_pos.get(int_arg("seq", seq), -1) + 1
+
+    def free_cells(self) -> int:
+        """Cells no sequence uses."""
+        return self.cells.free_count()
 
     def positions(self, seq: int) -> list[int]:
         """Sorted positions stored for ``seq``."""
@@ -454,7 +512,8 @@ class CausalCache:
         return self.num_cells - self.cells.free_count()
 
     def memory_usage_bytes(self) -> int:
-        """Bytes of K/V storage allocated (all cells of every layer that has been put)."""
+        """Bytes of K/V storage allocated: every buffer of every layer that has been put
+        (codes, metadata, fp16 windows) and the windows' maps."""
         return self.storage.nbytes()
 
     def close(self) -> None:
@@ -466,3 +525,17 @@ class CausalCache:
     def _check_open(self) -> None:
         if self._closed:
             raise CallOrderError("cache is closed: create a new one")
+
+
+def _check_query(q: object, k: torch.Tensor, tokens: int) -> None:
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 3:
+        raise InvalidArgumentError("q", type(q).__name__, "a float tensor [T, Hq, D]")
+    if q.shape[0] != tokens:
+        raise DimensionMismatchError(tokens, q.shape[0], "q tokens (batch length)")
+    if isinstance(k, torch.Tensor) and k.dim() == 3:
+        if q.shape[1] % k.shape[1]:
+            raise DimensionMismatchError(
+                f"a multiple of kv_heads={k.shape[1]}", q.shape[1], "q heads"
+            )
+        if q.shape[2] != k.shape[2]:
+            raise DimensionMismatchError(k.shape[2], q.shape[2], "q head_dim (= key's)")

@@ -14,6 +14,10 @@ Cell 0 is shared (``copy_prefix``); a cell is free when no sequence uses it. ``r
 holds, per sequence, a bounding box [lo, hi] of the cell indices that may hold it: it only
 grows on placement and is recomputed exactly by eviction, ``remove`` and ``copy_prefix``.
 An empty box (lo > hi) means "known sequence, no cells" (``copy_prefix`` of nothing).
+
+``ordered(seq)`` lists a sequence's cells by position (seq 9 above: cells 0, 5, 2): the
+order attention reads them in, whatever cells they landed in. Appending positions after the
+last one (a decode step, a prompt chunk) extends the list in place; other changes rebuild it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Cells:
         self._spare: list[int] = list(range(3, -1, -1))  # unused columns (pop from the end)
         self.ranges: dict[int, tuple[int, int]] = {}  # sequence id -> [lo, hi] cell box
         self.max_pos: dict[int, int] = {}  # sequence id -> largest stored position (-1: none)
+        self._order: dict[int, _Run] = {}  # sequence id -> its cells by position (lazy)
 
     # ---- sequences and columns -------------------------------------------------------
     def col(self, seq: int) -> int:
@@ -63,6 +68,7 @@ class Cells:
         """Drop ``seq``'s range and column; it must hold no cell any more."""
         self.ranges.pop(seq, None)
         self.max_pos.pop(seq, None)
+        self._order.pop(seq, None)
         c = self.cols.pop(seq, None)
         if c is not None:
             assert not self.member[:, c].any(), f"forgetting seq {seq} that still holds cells"
@@ -75,6 +81,15 @@ class Cells:
         if c is None or lo > hi:
             return np.zeros(0, dtype=np.int64)
         return lo + np.flatnonzero(self.member[lo : hi + 1, c])
+
+    def ordered(self, seq: int) -> np.ndarray:
+        """Cell indices held by ``seq`` sorted by position (a view: do not modify)."""
+        run = self._order.get(seq)
+        if run is None:
+            cells = self.cells_of(seq)
+            run = _Run(cells[np.argsort(self.pos[cells], kind="stable")])
+            self._order[seq] = run
+        return run.view()
 
     def positions(self, seq: int) -> list[int]:
         """Sorted positions stored for ``seq``."""
@@ -93,9 +108,16 @@ class Cells:
         self.refs[locs] = 1
         for s in np.unique(seqs):
             sel = seqs == s
-            self._extend(int(s), int(locs[sel].min()), int(locs[sel].max()))
+            seq = int(s)
+            self._extend(seq, int(locs[sel].min()), int(locs[sel].max()))
+            run = self._order.get(seq)
+            if run is not None and int(positions[sel].min()) > self.max_pos.get(seq, -1):
+                new = locs[sel]
+                run.append(new[np.argsort(positions[sel], kind="stable")])  # after the last
+            else:
+                self._order.pop(seq, None)  # rebuilt when next asked for
             top = int(positions[sel].max())
-            self.max_pos[int(s)] = max(self.max_pos.get(int(s), -1), top)
+            self.max_pos[seq] = max(self.max_pos.get(seq, -1), top)
 
     def release(self, seq: int, cells: np.ndarray) -> None:
         """``seq`` stops using ``cells`` (which it must hold); its range is recomputed."""
@@ -105,6 +127,7 @@ class Cells:
         assert self.member[cells, c].all(), f"seq {seq} does not hold all of {cells}"
         self.member[cells, c] = False
         self.refs[cells] -= 1
+        self._order.pop(seq, None)
         self.recompute_range(seq)
 
     def share(self, seq: int, cells: np.ndarray) -> None:
@@ -113,6 +136,7 @@ class Cells:
         assert not self.member[cells, c].any(), f"seq {seq} already holds some of {cells}"
         self.member[cells, c] = True
         self.refs[cells] += 1
+        self._order.pop(seq, None)
         self.ranges[seq] = (int(cells.min()), int(cells.max())) if len(cells) else EMPTY
         self.max_pos[seq] = int(self.pos[cells].max()) if len(cells) else -1
 
@@ -120,6 +144,7 @@ class Cells:
         """Shift the positions of ``cells`` (held by ``seq`` alone) by ``offset``."""
         assert (self.refs[cells] == 1).all(), f"moving shared cells {cells}"
         self.pos[cells] += offset
+        self._order.pop(seq, None)
         self.recompute_range(seq)
 
     def recompute_range(self, seq: int) -> None:
@@ -159,3 +184,27 @@ class Cells:
             assert len(set(ps.tolist())) == len(ps), f"seq {seq} holds a position twice: {ps}"
             top = int(ps.max()) if len(ps) else -1
             assert self.max_pos.get(seq, -1) == top, f"seq {seq} max_pos {self.max_pos} != {top}"
+            if seq in self._order:
+                order = self._order[seq].view()
+                want = held[np.argsort(ps, kind="stable")]
+                assert np.array_equal(order, want), f"seq {seq} ordered {order} != {want}"
+
+
+class _Run:
+    """A growable int64 array (amortised O(1) appends): one sequence's cells by position."""
+
+    def __init__(self, cells: np.ndarray) -> None:
+        self._buf = np.array(cells, dtype=np.int64)
+        self._len = len(cells)
+
+    def append(self, cells: np.ndarray) -> None:
+        need = self._len + len(cells)
+        if need > len(self._buf):
+            grown = np.empty(max(need, 2 * len(self._buf), 16), dtype=np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : need] = cells
+        self._len = need
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self._len]

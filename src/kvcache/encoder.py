@@ -54,6 +54,22 @@ class EncoderCache:
         self.keys[layer] = self._store(self.keys.get(layer), key)
         self.values[layer] = self._store(self.values.get(layer), value)
 
+    def put_item(self, layer: int, item: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Overwrite item ``item`` (first axis) of a layer's stored K/V in place: one input
+        among several held side by side (e.g. one file's audio window) changes, the rest stays."""
+        layer, item = int_arg("layer", layer), int_arg("item", item)
+        if layer not in self.keys:
+            raise CallOrderError(f"encoder layer {layer} holds nothing: put(layer, ...) first")
+        old_k, old_v = self.keys[layer], self.values[layer]
+        if item >= old_k.shape[0]:
+            raise InvalidArgumentError("item", item, f"an index < {old_k.shape[0]}")
+        for name, new, old in (("key", key, old_k), ("value", value, old_v)):
+            if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(old.shape[1:]):
+                got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                raise InvalidArgumentError(name, got, f"a tensor of shape {tuple(old.shape[1:])}")
+        old_k[item].copy_(key)
+        old_v[item].copy_(value)
+
     @staticmethod
     def _store(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         if old is not None and old.shape == new.shape and old.dtype == new.dtype:

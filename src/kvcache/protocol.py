@@ -14,6 +14,24 @@ ShiftFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @runtime_checkable
+class RotaryShift(Protocol):
+    """A shift that is a rotary embedding in rotate-half layout (HuggingFace Llama's): the
+    cache's kernels apply it from cos/sin tables instead of calling it per layer.
+
+    ``tables(positions, dtype)`` -> ``(cos, sin_signed)`` [n, 1, D] with
+    ``rotate(x, cos, sin_signed) = x * cos + (x[D/2:], x[:D/2]) * sin_signed``.
+    """
+
+    def __call__(self, layer: int, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor: ...
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rotate(
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class Cache(Protocol):
     """What a model calls: one start_forward per forward, then put/get per layer."""
 

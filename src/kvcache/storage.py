@@ -1,47 +1,42 @@
-"""Per-layer K/V buffers of a cell cache, preallocated and written in place.
+"""Per-layer K/V buffers of a cell cache, written in place through a codec.
 
 Layout (token-major, one row per cell, shared cell index across layers)::
 
     keys[layer]   : [N, kv_heads, head_dim_k]   in the key codec's format
     values[layer] : [N, kv_heads, head_dim_v]   in the value codec's format
+    windows       : per distinct codec window (kvcache.recent), the fp16 slot and metadata
+                    record of every cell, shared by every layer's buffers
 
-A layer's buffers are allocated on its first write (K and V head dims may differ), zero
-filled, and never reallocated. Reads hand back a cell range only: a view for a float codec
-in the compute dtype, a decoded copy of that range (never of the whole cache) otherwise.
-
-Keys can be stored *before* RoPE (``rope=`` a shift function): a write un-rotates each key
-by its position (``rope(layer, k, -pos)``) before the codec sees it and a read rotates the
-decoded keys back by their cells' positions. Quantizers that work per channel see each
-channel's own distribution then, instead of pairs of channels mixed at a speed that depends
-on the position (KVQuant, Hooper et al. 2024, section 3.2). What callers write and read is
-always the rotated key.
+A layer's buffers are allocated on its first write (K and V head dims may differ) and
+written in place; quantizing codecs allocate codes only up to the highest encoded cell.
+Reads hand back decoded rows of the requested cells (a view for a float codec read in its
+own dtype); the attention kernels read the buffers' layouts directly. What is stored is what
+the cache hands in: keys stored before RoPE are un-rotated by the cache (``causal.py``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from kvcache.cells import Cells
 from kvcache.codecs import Codec
-from kvcache.codecs.base import Locs
+from kvcache.codecs.base import Buffer, Layout, Locs
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
-from kvcache.protocol import ShiftFn
+from kvcache.recent import SealPlan, Windows, WindowSpec
+
+Seals = tuple[SealPlan | None, SealPlan | None]  # one forward's plans: keys', values'
 
 
 class LayerStorage:
     """K and V buffers of one layer, each in its codec's format."""
 
     def __init__(
-        self,
-        n: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        codecs: tuple[Codec, Codec],
-        device: torch.device,
-    ) -> None:
-        self.key_shape = (int(key.shape[1]), int(key.shape[2]))  # (H, Dk)
-        self.value_shape = (int(value.shape[1]), int(value.shape[2]))  # (H, Dv)
-        self.keys = codecs[0].allocate(n, *self.key_shape, device)  # [N, H, Dk]
-        self.values = codecs[1].allocate(n, *self.value_shape, device)  # [N, H, Dv]
+        self, keys: Buffer, values: Buffer, key_shape: tuple[int, int], value_shape: tuple[int, int]
+    ):
+        self.keys, self.values = keys, values
+        self.key_shape = key_shape  # (H, Dk)
+        self.value_shape = value_shape  # (H, Dv)
 
     def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Raise if a put's per-token shapes differ from what this layer holds."""
@@ -59,34 +54,45 @@ class LayerStorage:
 
 
 class Storage:
-    """The K/V buffers of every layer of one cell cache, read back as ``dtype``.
-
-    With ``rope`` (a :data:`~kvcache.protocol.ShiftFn`) keys are stored un-rotated: every
-    write, read and gather then needs the positions of its rows.
-    """
+    """The K/V buffers of every layer of one cell cache, read back as ``dtype``."""
 
     def __init__(
-        self,
-        n: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        key_codec: Codec,
-        value_codec: Codec,
-        rope: ShiftFn | None = None,
+        self, n: int, dtype: torch.dtype, device: torch.device, key_codec: Codec, value_codec: Codec
     ) -> None:
+        for codec in (key_codec, value_codec):
+            codec.check_device(device)
         self.n = n
         self.dtype = dtype
         self.device = device
         self.codecs = (key_codec, value_codec)
-        self.rope = rope
-        self._negated: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions, -positions)
+        specs = {c.spec for c in self.codecs if c.spec is not None}
+        self.windows: dict[WindowSpec, Windows] = {s: Windows(n, s) for s in specs}
+        self.roles = tuple(self.windows_of(c) for c in self.codecs)  # keys', values' windows
         self.layers: dict[int, LayerStorage] = {}
+
+    def windows_of(self, codec: Codec) -> Windows | None:
+        return None if codec.spec is None else self.windows[codec.spec]
+
+    def plan(self, cells: Cells, locs: np.ndarray, seqs: np.ndarray) -> Seals:
+        """What a forward that placed ``locs`` does to the keys' and the values' windows
+        (commits their state; K and V with the same window share one plan)."""
+        plans = {id(w): w.plan(cells, locs, seqs) for w in self.windows.values()}
+        key, value = (None if w is None else plans[id(w)] for w in self.roles)
+        return key, value
 
     def layer(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> LayerStorage:
         """The layer's storage, allocated on first use from the put's shapes."""
         st = self.layers.get(layer)
         if st is None:
-            st = LayerStorage(self.n, key, value, self.codecs, self.device)
+            kc, vc = self.codecs
+            k_shape = (int(key.shape[1]), int(key.shape[2]))
+            v_shape = (int(value.shape[1]), int(value.shape[2]))
+            st = LayerStorage(
+                kc.allocate(self.n, *k_shape, self.device, self.windows_of(kc)),
+                vc.allocate(self.n, *v_shape, self.device, self.windows_of(vc)),
+                k_shape,
+                v_shape,
+            )
             self.layers[layer] = st
         st.check(key, value)
         return st
@@ -94,62 +100,52 @@ class Storage:
     def write(
         self,
         layer: int,
-        locs: Locs,
+        locs: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        seals: Seals,
     ) -> None:
-        """Encode token rows into cells ``locs`` (a slice when the cells are contiguous);
-        ``positions`` [T] of the rows are needed when keys are stored before RoPE."""
+        """Store token rows into cells ``locs`` [T] as the forward's seal plans say."""
         st = self.layer(layer, key, value)
-        st.keys.write(locs, self._unrotate(layer, key, positions))
-        st.values.write(locs, value)
+        st.keys.store(locs, key, seals[0])
+        st.values.store(locs, value, seals[1])
 
-    def view(
-        self, layer: int, lo: int, hi: int, positions: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cells [lo, hi) of a layer as ``dtype``: keys [L, H, Dk], values [L, H, Dv]
-        (views for a float codec of that dtype, else decoded copies of just that range);
-        ``positions`` [L] of those cells are needed when keys are stored before RoPE."""
-        st = self.layers[layer]
-        keys = self._rotate(layer, st.keys.read(lo, hi, self.dtype), positions)
-        return keys, st.values.read(lo, hi, self.dtype)
+    def read(self, layer: int, cells: Locs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded K and V rows of ``cells`` as ``dtype`` (views for a float codec in that
+        dtype when ``cells`` is a slice): [n, H, Dk], [n, H, Dv]."""
+        st = self._layer(layer)
+        return st.keys.decode(cells, self.dtype), st.values.decode(cells, self.dtype)
 
-    def gather(
-        self, layer: int, cells: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the K/V rows of ``cells`` (rotated keys), as ``dtype``."""
-        st = self.layers[layer]
-        keys = self._rotate(layer, st.keys.gather(cells, self.dtype), positions)
-        return keys, st.values.gather(cells, self.dtype)
+    def layouts(self, layer: int) -> tuple[Layout, Layout]:
+        st = self._layer(layer)
+        return st.keys.layout(), st.values.layout()
 
-    def _unrotate(
-        self, layer: int, key: torch.Tensor, positions: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Keys as stored: un-rotated by their positions when stored before RoPE."""
-        if self.rope is None:
-            return key
-        positions = _required(positions)
-        if self._negated is None or self._negated[0] is not positions:
-            self._negated = (positions, -positions)  # one tensor for every layer's write
-        return self.rope(layer, key, self._negated[1])
+    def rewrite_keys(self, layer: int, cells: torch.Tensor, keys: torch.Tensor) -> None:
+        self._layer(layer).keys.rewrite(cells, keys)
 
-    def _rotate(
-        self, layer: int, keys: torch.Tensor, positions: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Decoded keys as the model wrote them (rotated back when stored before RoPE)."""
-        if self.rope is None:
-            return keys
-        return self.rope(layer, keys, _required(positions)).to(self.dtype)
+    def release(self, cells: np.ndarray) -> None:
+        """``cells`` became free: their window rows and metadata go."""
+        for w in self.windows.values():
+            w.release(cells)
+
+    def forget(self, seq: int) -> None:
+        for w in self.windows.values():
+            w.forget(seq)
+
+    def share(self, src: int, dst: int) -> None:
+        for w in self.windows.values():
+            w.share(src, dst)
 
     def nbytes(self) -> int:
-        return sum(st.nbytes() for st in self.layers.values())
+        """Every buffer of every layer, plus the windows' slot and metadata maps."""
+        maps = sum(w.slot_of.nbytes + w.meta_of.nbytes for w in self.windows.values())
+        return sum(st.nbytes() for st in self.layers.values()) + (maps if self.layers else 0)
 
-
-def _required(positions: torch.Tensor | None) -> torch.Tensor:
-    if positions is None:
-        raise InvalidArgumentError("positions", None, "row positions (keys stored pre-RoPE)")
-    return positions
+    def _layer(self, layer: int) -> LayerStorage:
+        st = self.layers.get(layer)
+        if st is None:
+            raise InvalidArgumentError("layer", layer, f"one of {sorted(self.layers)}")
+        return st
 
 
 def check_kv(key: object, value: object, tokens: int) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from kvcache.batch import Batch
-from kvcache.errors import InvalidArgumentError, KVCacheError
+from kvcache.errors import InvalidArgumentError, KVCacheError, NotSupportedError
 from kvcache.protocol import Cache
 from kvcache.validate import int_arg
 
@@ -69,6 +69,22 @@ class WrapperCache:
         self, layer: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self.underlying.update(layer, key, value)
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """The current layer type's cache stores k/v and attends (see CausalCache.attention)."""
+        cache = self.underlying
+        attention = getattr(cache, "attention", None)
+        if attention is None:
+            raise NotSupportedError(f"{type(cache).__name__} has no attention(layer, q, k, v)")
+        return attention(layer, q, k, v, scale=scale)
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         """Remove from each cache in order; stops at the first error (then clear ``seq``)."""

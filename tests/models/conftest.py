@@ -36,6 +36,12 @@ def tiny() -> Llama:
 
 
 @pytest.fixture(scope="session")
+def tiny_kernel() -> Llama:
+    """The tiny model in float32 with head_dim 16: its attention runs in the C++ kernels."""
+    return Llama.random(replace(TINY, head_dim=16), seed=2, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def tiny_one_layer() -> Llama:
     """One layer: K/V depend only on token and position, so context shifts are exact."""
     return Llama.random(replace(TINY, num_layers=1), seed=1, dtype=torch.float64)

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from kvcache import Batch, CausalCache
-from kvcache.codecs import make_codec
 from kvcache.models.llama import Llama
 from kvcache.text.tokenizer import Tokenizer
 
 
 def greedy(model: Llama, prompt: list[int], codec: str, steps: int) -> list[int]:
-    cache = CausalCache(len(prompt) + steps, shift=model.rope.shift, codec=codec)
+    cache = CausalCache(len(prompt) + steps, shift=model.rope, codec=codec)
     logits = model.forward(
         prompt, Batch.single(0, 0, len(prompt)), cache, outputs=[len(prompt) - 1]
     )
@@ -37,9 +36,11 @@ def test_int8_greedy_equals_fp32(smollm2: Llama, tokenizer: Tokenizer):
         ("bf16", 1e-2),
         ("int8", 0.02),
         ("int4", 0.2),
-        ("turbo4", 0.15),
+        # turbo's values get 3 / 2 bits: Lloyd-Max on a Gaussian gives relative errors of
+        # about 0.19 / 0.34 (MSE 0.035 / 0.117)
+        ("turbo4", 0.2),
         ("kivi4", 0.2),
-        ("turbo3", 0.3),
+        ("turbo3", 0.36),
     ],
 )
 def test_round_trip_on_real_kv(
@@ -47,21 +48,21 @@ def test_round_trip_on_real_kv(
 ):
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 40)[:256]
     assert len(prompt) == 256
-    ref = CausalCache(256, shift=smollm2.rope.shift)
+    ref = CausalCache(256, shift=smollm2.rope)
     smollm2.forward(prompt, Batch.single(0, 0, 256), ref, outputs=[255])
     c = smollm2.config
     for layer in (0, c.num_layers // 2, c.num_layers - 1):
-        for role, buf in (
-            ("key", ref.storage.layers[layer].keys),
-            ("value", ref.storage.layers[layer].values),
-        ):
-            x = buf.read(0, 256, torch.float32)  # real K or V [256, H, D]
-            enc = make_codec(codec, role).allocate(
-                256, c.num_kv_heads, c.head_dim, torch.device("cpu")
-            )
-            enc.write(slice(0, 256), x)
-            err = (enc.read(0, 256, torch.float32) - x).norm() / x.norm()
+        keys, values = ref.read(layer, slice(0, 256))  # real K and V [256, H, D]
+        # the same rows through the codec (no shift: keys stored as given), and compared
+        # where they are codes: positions 0..127, older than the newest 128 in fp16
+        enc = CausalCache(256, codec=codec)
+        enc.start_forward(Batch.single(0, 0, 256))
+        enc.put(layer, keys, values)
+        got = enc.read(layer, slice(0, 128))
+        for role, x, y in (("key", keys[:128], got[0]), ("value", values[:128], got[1])):
+            err = (y - x).norm() / x.norm()
             assert err < max_rel_err, (layer, role, float(err))
+            assert codec in ("fp16", "bf16") or err > 1e-3  # really quantized
 
 
 def test_pre_rope_storage_equals_post_through_a_context_shift(smollm2: Llama, tokenizer: Tokenizer):
@@ -70,7 +71,7 @@ def test_pre_rope_storage_equals_post_through_a_context_shift(smollm2: Llama, to
     n = len(prompt)
 
     def run(key_rope: str) -> list[torch.Tensor]:
-        cache = CausalCache(n + 4, shift=smollm2.rope.shift, key_rope=key_rope)
+        cache = CausalCache(n + 4, shift=smollm2.rope, key_rope=key_rope)
         first = smollm2.forward(prompt, Batch.single(0, 0, n), cache, outputs=[n - 1])
         cache.remove(0, 2, 10)  # the later keys move down by 8 positions
         nxt = smollm2.forward([int(first[0].argmax())], Batch.single(0, n - 8, 1), cache)

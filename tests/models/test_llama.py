@@ -1,6 +1,8 @@
-"""The Llama forward through the cell cache equals a no-cache full forward (tiny float64
-model): prefill + decode, several sequences in one batch, middle removal (RoPE shift),
-copy_prefix forks, sliding windows, and the forward's argument errors."""
+"""The Llama forward through the cell cache equals a no-cache full forward: prefill + decode,
+several sequences in one batch, middle removal (RoPE shift), copy_prefix forks, sliding
+windows, and the forward's argument errors. The scenarios run on a tiny float64 model
+(exact: the plain-torch reference attention) and on a tiny float32 model through the
+attention kernels, both their decode kernel and their prompt tile path."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import torch
 
 from kvcache import Batch
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
-from kvcache.models.llama import Llama, LlamaConfig, additive_mask
+from kvcache.models.llama import Llama, LlamaConfig
 from kvcache.models.rope import Rope
 
 ATOL = 1e-9
+KERNEL_ATOL = 2e-5  # float32 logits of O(1): the kernels sum in another order
 
 
 def tokens(n: int, seed: int, vocab: int = 97) -> list[int]:
@@ -47,31 +50,32 @@ def test_chunked_prefill_and_outputs_rows(tiny: Llama):
     assert c.shape == (0, tiny.config.vocab_size)
 
 
-@pytest.mark.parametrize("sdpa_from", [1, 32, 10**9])  # all SDPA / default / all matmul
-def test_both_attention_paths_equal_full_forward(
-    tiny: Llama, monkeypatch: pytest.MonkeyPatch, sdpa_from: int
-):
-    import kvcache.models.llama as llama_module
+@pytest.fixture(params=["exact", "kernel", "tiles"])
+def model(
+    request: pytest.FixtureRequest, tiny: Llama, tiny_kernel: Llama, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Llama, float]:
+    """(model, atol): float64 through the reference attention; float32 through the kernels,
+    every segment in the C++ kernel ("kernel") or in the prompt tile path ("tiles")."""
+    import kvcache.kernels.plan as plan_module
 
-    monkeypatch.setattr(llama_module, "SDPA_MIN_TOKENS", sdpa_from)
+    if request.param == "exact":
+        return tiny, ATOL
+    monkeypatch.setattr(plan_module, "TILE_ROWS", 10**9 if request.param == "kernel" else 0)
+    return tiny_kernel, KERNEL_ATOL
+
+
+def test_every_path_equals_full_forward(model: tuple[Llama, float]):
+    m, atol = model
     ids = tokens(80, seed=15)
-    cache = tiny.new_cache(96)
-    a = tiny.forward(ids[:40], Batch.single(0, 0, 40), cache)
-    b = tiny.forward(ids[40:77], Batch.single(0, 40, 37), cache)
-    c = [tiny.forward(ids[p : p + 1], Batch.single(0, p, 1), cache) for p in range(77, 80)]
-    assert_close(torch.cat([a, b, *c]), tiny.forward_full(ids))
+    cache = m.new_cache(96)
+    a = m.forward(ids[:40], Batch.single(0, 0, 40), cache)
+    b = m.forward(ids[40:77], Batch.single(0, 40, 37), cache)
+    c = [m.forward(ids[p : p + 1], Batch.single(0, p, 1), cache) for p in range(77, 80)]
+    assert_close(torch.cat([a, b, *c]), m.forward_full(ids), atol)
 
 
-@pytest.fixture(params=["matmul", "sdpa"])
-def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test through the decode (grouped matmul) or the chunk (SDPA) attention path."""
-    import kvcache.models.llama as llama_module
-
-    monkeypatch.setattr(llama_module, "SDPA_MIN_TOKENS", 10**9 if request.param == "matmul" else 1)
-    return str(request.param)
-
-
-def test_three_sequences_batched_together(tiny: Llama, attention_path: str):
+def test_three_sequences_batched_together(model: tuple[Llama, float]):
+    tiny, atol = model
     seqs = {0: tokens(5, seed=3), 1: tokens(9, seed=4), 2: tokens(3, seed=5)}
     n_decode = 4
     cache = tiny.new_cache(16, max_sequences=3)
@@ -93,17 +97,18 @@ def test_three_sequences_batched_together(tiny: Llama, attention_path: str):
             grown[s].append(nxt[row])
             got[s].append(logits[row])
     for s, ids in grown.items():
-        assert_close(torch.stack(got[s]), tiny.forward_full(ids))
+        assert_close(torch.stack(got[s]), tiny.forward_full(ids), atol)
 
 
-def test_prefill_and_decode_mixed_in_one_forward(tiny: Llama, attention_path: str):
+def test_prefill_and_decode_mixed_in_one_forward(model: tuple[Llama, float]):
+    tiny, atol = model
     a, b = tokens(8, seed=6), tokens(6, seed=7)
     cache = tiny.new_cache(16, max_sequences=2)
     tiny.forward(a[:7], Batch.single(0, 0, 7), cache)
     # seq 0 decodes its 8th token while seq 1 prefills all of its prompt
     logits = tiny.forward([a[7], *b], Batch([7, *range(6)], [0] + [1] * 6), cache)
-    assert_close(logits[0], tiny.forward_full(a)[7])
-    assert_close(logits[1:], tiny.forward_full(b))
+    assert_close(logits[0], tiny.forward_full(a)[7], atol)
+    assert_close(logits[1:], tiny.forward_full(b), atol)
 
 
 def test_remove_middle_then_next_logits_equal_shortened_sequence(tiny_one_layer: Llama):
@@ -131,7 +136,7 @@ def test_remove_middle_rerotates_keys_of_every_layer(tiny: Llama):
     layers = range(tiny.config.num_layers)
 
     def stored(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = cache.storage.view(layer, 0, 12)  # cell c was filled with position c
+        k, v = cache.read(layer, slice(0, 12))  # cell c was filled with position c
         return k.clone(), v.clone()
 
     before = {i: stored(i) for i in layers}
@@ -148,10 +153,11 @@ def test_remove_middle_rerotates_keys_of_every_layer(tiny: Llama):
     ref = tiny.new_cache(32)
     short = ids[:2] + ids[5:]
     tiny.forward(short, Batch.single(0, 0, len(short)), ref)
-    assert_close(stored(0)[0][moved], ref.storage.view(0, 2, 9)[0], atol=1e-12)
+    assert_close(stored(0)[0][moved], ref.read(0, slice(2, 9))[0], atol=1e-12)
 
 
-def test_copy_prefix_forks_equal_independent_sequences(tiny: Llama, attention_path: str):
+def test_copy_prefix_forks_equal_independent_sequences(model: tuple[Llama, float]):
+    tiny, atol = model
     prefix = tokens(6, seed=10)
     tails = {1: tokens(3, seed=11), 2: tokens(5, seed=12)}
     cache = tiny.new_cache(16, max_sequences=3)
@@ -163,23 +169,30 @@ def test_copy_prefix_forks_equal_independent_sequences(tiny: Llama, attention_pa
     logits = tiny.forward(
         [t for *_, t in rows], Batch([p for _, p, _ in rows], [s for s, _, _ in rows]), cache
     )
-    assert_close(logits[:3], tiny.forward_full(prefix + tails[1])[6:])
-    assert_close(logits[3:], tiny.forward_full(prefix[:4] + tails[2])[4:])
+    assert_close(logits[:3], tiny.forward_full(prefix + tails[1])[6:], atol)
+    assert_close(logits[3:], tiny.forward_full(prefix[:4] + tails[2])[4:], atol)
     # the source sequence is untouched by its forks
     more = tiny.forward([5], Batch.single(0, 6, 1), cache)
-    assert_close(more[0], tiny.forward_full([*prefix, 5])[-1])
+    assert_close(more[0], tiny.forward_full([*prefix, 5])[-1], atol)
+    # all three decode together: the shared prefix is one segment read for every row
+    rows = [(0, 7, 3), (1, 9, 4), (2, 9, 6)]
+    logits = tiny.forward(
+        [t for *_, t in rows], Batch([p for _, p, _ in rows], [s for s, _, _ in rows]), cache
+    )
+    assert_close(logits[0], tiny.forward_full([*prefix, 5, 3])[-1], atol)
+    assert_close(logits[1], tiny.forward_full(prefix + tails[1] + [4])[-1], atol)
+    assert_close(logits[2], tiny.forward_full(prefix[:4] + tails[2] + [6])[-1], atol)
 
 
 @pytest.mark.parametrize("window", [3, 5])
-def test_sliding_window_cache_equals_windowed_full_forward(
-    tiny: Llama, window: int, attention_path: str
-):
+def test_sliding_window_cache_equals_windowed_full_forward(model: tuple[Llama, float], window: int):
+    tiny, atol = model
     ids = tokens(16, seed=13)
     cache = tiny.new_cache(8, window=window, max_batch=4)
     parts = [tiny.forward(ids[:4], Batch.single(0, 0, 4), cache)]
     for p in range(4, 16):
         parts.append(tiny.forward(ids[p : p + 1], Batch.single(0, p, 1), cache))
-    assert_close(torch.cat(parts), tiny.forward_full(ids, window=window))
+    assert_close(torch.cat(parts), tiny.forward_full(ids, window=window), atol)
     assert len(cache.positions(0)) <= window + 1  # older cells were given back
 
 
@@ -196,15 +209,6 @@ def test_rope_shift_composes_rotations():
     assert_close(moved.norm(dim=-1), x.norm(dim=-1), atol=1e-12)
     c0, s0 = rope.tables(torch.zeros(1, dtype=torch.int64), torch.float64)
     assert_close(rope.rotate(x[:1], c0, s0), x[:1], atol=0.0)
-
-
-def test_additive_mask_groups_rows():
-    mask = torch.tensor([[True, False, True], [False, True, True]])
-    bias = additive_mask(mask, 3, torch.float32)
-    assert bias.shape == (6, 3)
-    assert torch.equal(torch.isinf(bias[:3]), ~mask[0].expand(3, 3))
-    assert torch.equal(torch.isinf(bias[3:]), ~mask[1].expand(3, 3))
-    assert (bias[~torch.isinf(bias)] == 0).all()
 
 
 def test_forward_argument_errors(tiny: Llama):

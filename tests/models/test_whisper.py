@@ -7,18 +7,19 @@ from typing import Any
 
 import pytest
 import torch
+from whisper_reference import beam_uncached, greedy_uncached
 
 from kvcache import CausalCache, EncoderCache, WrapperCache
 from kvcache.errors import CacheFullError, DimensionMismatchError, InvalidArgumentError
-from kvcache.models.whisper import (
-    Whisper,
-    WhisperConfig,
+from kvcache.models.whisper import Whisper, WhisperConfig
+from kvcache.models.whisper_decode import (
     WhisperKVCache,
     forward_decoder_cached,
     forward_decoder_step,
 )
 from kvcache.text.whisper_tokenizer import SpecialTokens
-from kvcache.transcribe import LogitRules, beam_decode
+from kvcache.transcription.rules import LogitRules
+from kvcache.transcription.search import BeamSearch, SampleSearch, SearchSpec, run_search
 
 PROMPT = [50258, 50259, 50359, 50363]
 SMALL = WhisperConfig(
@@ -182,21 +183,14 @@ def test_beams_share_prompt_cells_and_free_pruned_ones(small64: Whisper) -> None
     assert (child - ref).abs().max().item() < 1e-10
 
 
-def test_self_kv_written_in_place(small64: Whisper, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every step reads views of one preallocated buffer that grows by one cell: no concat."""
+def test_self_kv_written_in_place(small64: Whisper) -> None:
+    """Every step writes one new cell of one preallocated buffer per layer: no concat."""
     cache = WhisperKVCache(small64, _audio(SMALL, dtype=torch.float64))
     seen: list[tuple[int, int]] = []
-    update = cache.self_attn.update
-
-    def spy(layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        keys, values, mask = update(layer, key, value)
-        if layer == 0:
-            seen.append((keys.untyped_storage().data_ptr(), keys.shape[0]))
-        return keys, values, mask
-
-    monkeypatch.setattr(cache.self_attn, "update", spy)
     for t in range(1, 20):
         forward_decoder_cached(small64, t, cache)
+        data = cache.self_attn.storage.layers[0].keys.data
+        seen.append((data.data_ptr(), cache.self_attn.used_cells()))
     assert len({ptr for ptr, _ in seen}) == 1
     assert [n for _, n in seen] == list(range(1, 20))
 
@@ -246,6 +240,16 @@ def test_encoder_shapes(small64: Whisper) -> None:
     assert torch.allclose(small64.forward_encoder(mel[1:]), out[1:], atol=1e-12)  # rows independent
 
 
+def _cached_search(
+    model: Whisper, audio: torch.Tensor, prompt: list[int], rules: LogitRules, beam: int
+) -> list[int]:
+    spec = SearchSpec(prompt, rules, max_new=14)
+    cache = WhisperKVCache(model, audio, max_sequences=2 * beam)
+    seqs = list(range(2 * beam))
+    search = BeamSearch(spec, seqs, beam) if beam > 1 else SampleSearch(spec, seqs[:1])
+    return run_search(model, search, cache).tokens
+
+
 def test_beam_search_on_cells_equals_beam_search_without_cache(
     small64: Whisper, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -267,7 +271,61 @@ def test_beam_search_on_cells_equals_beam_search_without_cache(
     rules = LogitRules(special, SMALL.n_vocab, [], [], timestamps=False)
     for seed in range(3):
         audio = _audio(SMALL, dtype=torch.float64, seed=20 + seed)
-        cached = beam_decode(small64, audio, [91, 92], rules, max_new=14, beam_size=3)
-        uncached = beam_decode(small64, audio, [91, 92], rules, 14, beam_size=3, cached=False)
+        cached = _cached_search(small64, audio, [91, 92], rules, beam=3)
+        uncached = beam_uncached(small64, audio, [91, 92], rules, 14, beam_size=3)
         assert cached == uncached and len(cached) > 0
+        greedy = _cached_search(small64, audio, [91, 92], rules, beam=1)
+        assert greedy == greedy_uncached(small64, audio, [91, 92], rules, 14)
     assert calls["copy_prefix"] > 0 and calls["remove"] > 0
+
+
+def test_failed_step_leaves_the_cache_unchanged(
+    small64: Whisper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer that raises mid-step: lengths, cells and later logits are as if never called."""
+    audio = _audio(SMALL, dtype=torch.float64, seed=11)
+    tokens = [7, 8, 9, 10]
+    full = small64.forward_decoder(torch.tensor([tokens]), audio)[0]
+    cache = WhisperKVCache(small64, audio, max_sequences=2)
+    forward_decoder_step(small64, tokens[:2], [0, 0], cache)
+    cells = cache.self_attn.used_cells()
+    blk = small64.decoder[1]
+    original = blk.fc1
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise FloatingPointError("layer 1 failed")
+
+    monkeypatch.setattr(blk, "fc1", broken)
+    with pytest.raises(FloatingPointError):
+        forward_decoder_step(small64, [tokens[2], 5, 6], [0, 1, 1], cache)
+    assert cache.length(0) == 2 and cache.length(1) == 0 and cache.step == 2
+    assert cache.self_attn.used_cells() == cells
+    assert cache.self_attn.positions(0) == [0, 1] and cache.self_attn.positions(1) == []
+    monkeypatch.setattr(blk, "fc1", original)
+    for i in (2, 3):
+        got = forward_decoder_cached(small64, tokens[i], cache)
+        assert (got - full[i]).abs().max().item() < 1e-10
+
+
+def test_windows_replaced_in_place_and_attached(small64: Whisper) -> None:
+    """set_audio swaps one file's window while another file's sequence keeps decoding."""
+    audio = _audio(SMALL, windows=2, dtype=torch.float64, seed=12)
+    nxt = _audio(SMALL, dtype=torch.float64, seed=13)  # file 0's next window
+    cache = WhisperKVCache(small64, audio, max_sequences=4)
+    forward_decoder_step(small64, [1, 2, 3], [0, 0, 1], cache)
+    cache.set_audio(0, nxt[0])
+    cache.remove(0)
+    cache.attach(2, 0)  # a fresh sequence on file 0's new window
+    logits = forward_decoder_step(small64, [4, 5, 6], [2, 2, 1], cache, logits_rows=[1, 2])
+    assert logits.shape == (2, SMALL.n_vocab)
+    ref_new = small64.forward_decoder(torch.tensor([[4, 5]]), nxt)[0, -1]
+    ref_old = small64.forward_decoder(torch.tensor([[3, 6]]), audio[1:])[0, -1]
+    assert (logits[0] - ref_new).abs().max().item() < 1e-10
+    assert (logits[1] - ref_old).abs().max().item() < 1e-10
+    with pytest.raises(InvalidArgumentError, match="seq"):
+        cache.attach(1, 0)  # sequence 1 holds tokens of window 1
+    with pytest.raises(InvalidArgumentError, match="window"):
+        cache.set_audio(2, nxt[0])
+    with pytest.raises(InvalidArgumentError, match="logits_rows"):
+        forward_decoder_step(small64, [7], [2], cache, logits_rows=[1])
+    assert cache.length(2) == 2

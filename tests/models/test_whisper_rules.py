@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvcache.text.whisper_tokenizer import SpecialTokens, WhisperTokenizer
-from kvcache.transcribe import MAX_INITIAL_TIMESTAMP_INDEX, LogitRules, split_segments
+from kvcache.transcription.longform import split_segments
+from kvcache.transcription.rules import MAX_INITIAL_TIMESTAMP_INDEX, LogitRules
 from kvcache.weights.ctranslate2 import bundled_whisper_dir
 
 SP = SpecialTokens(eot=50256, sot=50257, no_timestamps=50362, timestamp_begin=50363)
@@ -69,18 +70,28 @@ def test_timestamp_forced_when_their_mass_wins(ts_rules: LogitRules) -> None:
 
 
 def test_split_segments_and_seek() -> None:
+    """faster-whisper's _split_segments_by_timestamps: cut at pairs, seek to the last one."""
     tok = WhisperTokenizer(bundled_whisper_dir())
     hello, world = tok.encode(" Hello"), tok.encode(" world")
-    # two closed segments: seek to the last timestamp (2 frames per 0.02 s step)
-    tokens = [TB, *hello, TB + 50, TB + 50, *world, TB + 120]
-    segs, seek = split_segments(tokens, tok, offset=10.0, window_frames=3000)
-    assert [(s.start, s.end, s.text) for s in segs] == [
-        (10.0, 11.0, " Hello"),
-        (11.0, 12.4, " world"),
-    ]
-    assert seek == 3000  # ends on a single timestamp: the window is done
-    tokens = [TB, *hello, TB + 50, TB + 50, *world, TB + 120, TB + 120]
-    segs, seek = split_segments(tokens, tok, offset=0.0, window_frames=3000)
-    assert len(segs) == 2 and seek == 240
-    segs, seek = split_segments([*hello], tok, offset=30.0, window_frames=1500)
-    assert [(s.start, s.end) for s in segs] == [(30.0, 45.0)] and seek == 1500
+
+    def spans(tokens: list[int], frames: int = 3000) -> tuple[list[tuple[int, int, str]], int]:
+        """(start, end) in 0.02 s steps (end rounded down when it is the window's end)."""
+        cuts, seek = split_segments(tokens, TB, frames)
+        return [(round(c.start * 50), int(c.end * 50), tok.decode(c.tokens)) for c in cuts], seek
+
+    # two closed segments ending on a single timestamp: no speech after it, the window is done
+    assert spans([TB, *hello, TB + 50, TB + 50, *world, TB + 120]) == (
+        [(0, 50, " Hello"), (50, 120, " world")],
+        3000,
+    )
+    # ending on a pair: seek to it (2 frames per 0.02 s step); an unfinished tail is dropped
+    assert spans([TB, *hello, TB + 50, TB + 50, *world, TB + 120, TB + 120]) == (
+        [(0, 50, " Hello"), (50, 120, " world")],
+        240,
+    )
+    assert spans([TB, *hello, TB + 50, TB + 50, *world]) == ([(0, 50, " Hello")], 100)
+    # one segment without a closing timestamp, or no timestamps: the whole window
+    assert spans([TB + 3, *hello], frames=1500) == ([(3, 750, " Hello")], 1500)
+    assert split_segments([TB + 3, *hello], TB, 1501)[0][0].end == 15.01  # to the last frame
+    assert spans([*hello], frames=1500) == ([(0, 750, " Hello")], 1500)
+    assert spans([TB, *hello, TB + 40]) == ([(0, 40, " Hello")], 3000)

@@ -7,13 +7,15 @@ bf16      bfloat16                                               16
 int8      int8 + fp16 scale per (token, head)                    8.25
 int4      4-bit asymmetric, fp16 scale + min per 32 channels     5 (keys centred)
 int4g64   the same with groups of 64 channels                    4.5 (keys centred)
-kivi4/2   keys per channel (blocks of 64 tokens), values per token   4.5 / 2.5
+kivi4/2   keys per channel (groups of 64 tokens), values per token   4.5 / 2.5
 turbo4/3  rotation + Lloyd-Max codebook per (token, head); keys   4.25 / 3.19 (keys
           get 5 / 4 bits, values 3 / 2                           centred)
 A/B       codec A for keys, B for values: "int8/int4"
 
-int4, turbo and kivi also keep the newest 128 rows in fp16 (a fixed 128 * H * D * 2 bytes
-per buffer; ``"int4:recent=0"`` turns it off, ``"kivi4:residual=256"`` resizes kivi's).
+int4, turbo and kivi keep each sequence's newest 128 rows in fp16 (``kvcache.recent``;
+``"int4:recent=0"`` turns it off, ``"kivi4:residual=256"`` resizes kivi's), and every
+quantizing codec seals a sequence's rows 32 at a time (``"int8:batch=1"``: as written; kivi
+keys: 64, a group).
 
 kivi and turbo keys are quantized before RoPE in a cell cache that has a shift function
 (``Codec.pre_rope``; see ``kvcache.storage``).
@@ -26,19 +28,15 @@ from collections.abc import Callable
 
 import torch
 
-from kvcache.codecs.base import Buffer, Codec
+from kvcache.codecs.base import Buffer, Codec, Layout
 from kvcache.codecs.floats import FloatCodec
-from kvcache.codecs.ints import Int4Codec, Int8Codec
-from kvcache.codecs.kivi import KiviCodec
-from kvcache.codecs.recent import RecentCodec
+from kvcache.codecs.ints import AffineRowsCodec, Int8Codec, int4
+from kvcache.codecs.kivi import kivi
 from kvcache.codecs.turbo_codec import TurboCodec
 from kvcache.errors import InvalidConfigError
+from kvcache.recent import SEAL_BATCH
 
-RECENT = 128  # newest rows kept in fp16 by int4 / turbo (see recent.py)
-
-
-def _recent(inner: Codec, recent: int = RECENT) -> Codec:
-    return RecentCodec(inner, recent)
+RECENT = 128  # newest rows of each sequence kept in fp16 by int4 / turbo / kivi
 
 
 # name -> factory(is_key, **options); options come from "name:option=int,..."
@@ -46,28 +44,32 @@ CODECS: dict[str, Callable[..., Codec]] = {
     "fp32": lambda key: FloatCodec(torch.float32),
     "fp16": lambda key: FloatCodec(torch.float16),
     "bf16": lambda key: FloatCodec(torch.bfloat16),
-    "int8": lambda key: Int8Codec(),
-    "int4": lambda key, recent=RECENT: _recent(Int4Codec(centre=key), recent),
-    "int4g64": lambda key, recent=RECENT: _recent(Int4Codec(group=64, centre=key), recent),
-    "kivi4": lambda key, residual=128: KiviCodec(4, per_channel=key, residual=residual),
-    "kivi2": lambda key, residual=128: KiviCodec(2, per_channel=key, residual=residual),
-    "turbo4": lambda key, recent=RECENT, key_bits=5, value_bits=3: _turbo(
-        "turbo4", key, recent, key_bits, value_bits
+    "int8": lambda key, batch=SEAL_BATCH: Int8Codec(batch),
+    "int4": lambda key, recent=RECENT, batch=SEAL_BATCH: int4(32, key, recent, batch),
+    "int4g64": lambda key, recent=RECENT, batch=SEAL_BATCH: int4(64, key, recent, batch),
+    "kivi4": lambda key, residual=RECENT: kivi(4, per_channel=key, residual=residual),
+    "kivi2": lambda key, residual=RECENT: kivi(2, per_channel=key, residual=residual),
+    "turbo4": lambda key, recent=RECENT, key_bits=5, value_bits=3, batch=SEAL_BATCH: _turbo(
+        "turbo4", key, recent, key_bits, value_bits, batch
     ),
-    "turbo3": lambda key, recent=RECENT, key_bits=4, value_bits=2: _turbo(
-        "turbo3", key, recent, key_bits, value_bits
+    "turbo3": lambda key, recent=RECENT, key_bits=4, value_bits=2, batch=SEAL_BATCH: _turbo(
+        "turbo3", key, recent, key_bits, value_bits, batch
     ),
 }
 
 
-def _turbo(name: str, key: bool, recent: int, key_bits: int, value_bits: int) -> Codec:
+def _turbo(name: str, key: bool, recent: int, key_bits: int, value_bits: int, batch: int) -> Codec:
     """Turbo codes, ``key_bits`` for keys and ``value_bits`` for values (see turbo_codec);
     2-bit values keep their norm in one byte."""
     bits = key_bits if key else value_bits
     if not 1 <= bits <= 8:
         raise InvalidConfigError("key_bits" if key else "value_bits", bits, "an int in 1..8")
+    if recent < 0:
+        raise InvalidConfigError("recent", recent, "an int >= 0")
+    if batch < 1:
+        raise InvalidConfigError("batch", batch, "an int >= 1 (rows of a sequence sealed together)")
     log_scale = not key and bits <= 2
-    return _recent(TurboCodec(bits, keys=key, log_scale=log_scale, name=name), recent)
+    return TurboCodec(bits, keys=key, log_scale=log_scale, name=name, window=recent, batch=batch)
 
 
 def make_codec(spec: str | Codec, role: str = "key") -> Codec:
@@ -105,12 +107,12 @@ def make_codec(spec: str | Codec, role: str = "key") -> Codec:
 
 __all__ = [
     "CODECS",
+    "AffineRowsCodec",
     "Buffer",
     "Codec",
     "FloatCodec",
-    "Int4Codec",
     "Int8Codec",
-    "KiviCodec",
-    "RecentCodec",
+    "Layout",
+    "TurboCodec",
     "make_codec",
 ]

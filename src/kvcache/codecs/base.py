@@ -1,38 +1,94 @@
 """What a codec is: how one layer's K (or V) rows are stored in the cells.
 
-A :class:`Codec` makes :class:`Buffer` s; a buffer holds N cells of ``[heads, dim]`` rows
-in its own format and hands back float tensors for a cell range (a view when the format
-is the compute dtype itself, else a dequantized copy of just that range). The cache does
-not know or care which format it holds.
+A :class:`Codec` makes :class:`Buffer` s; a buffer holds N cells of ``[heads, dim]`` rows in
+its own format. It hands back decoded float rows (a view when the format is the compute dtype
+itself) and describes its tensors as a :class:`Layout`, from which ``kvcache.kernels``
+attends straight from the codes. The cache does not know or care which format it holds.
+
+Quantizing codecs keep each sequence's newest rows in fp16 and encode older ones as the
+cache's :class:`~kvcache.recent.SealPlan` says (see ``kvcache.recent`` and ``window.py``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvcache.errors import NotSupportedError
+from kvcache.recent import SealPlan, Windows, WindowSpec
+
 Locs = torch.Tensor | slice  # cell indices (LongTensor) or a contiguous slice of cells
+
+NONE = torch.empty(0)  # an unused Layout field (never written: shared by every Layout)
+# kernel kinds (the C++ reader's switch, src/kvcache/kernels/csrc/readers.h)
+F32, F16, BF16, INT8, AFFINE_ROWS, AFFINE_CHANNELS, TURBO = range(7)
+FLOAT_KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+
+
+@dataclass
+class Layout:
+    """A buffer's tensors as the attention kernel reads them (unused ones stay empty).
+
+    data      [N', H, W]   rows or codes (N' <= N: codes are allocated up to the highest
+                           encoded cell)
+    scale/low [N', H, g]   per-row metadata (fp16; turbo: bf16 or uint8 norms)
+    meta_of   [N]  int32   metadata record of each encoded row (-1: none)
+    meta_a/b  [M, H, D]    per-record values: a key centre (a), channel scale (a) / min (b)
+    window    [N]  int32   fp16 slot of each row kept in the recent window (-1: codes)
+    residual  [R, H, D]    fp16 rows of the window
+    centroids [2^bits]     turbo levels at unit scale; signs [H, P] its rotations' sign flips
+    rotation  [H, D, P]    turbo: row x rotates to x @ rotation[h]; y @ rotation[h].T back
+    """
+
+    kind: int
+    data: torch.Tensor
+    scale: torch.Tensor = NONE
+    low: torch.Tensor = NONE
+    meta_of: torch.Tensor = NONE
+    meta_a: torch.Tensor = NONE
+    meta_b: torch.Tensor = NONE
+    window: torch.Tensor = NONE
+    residual: torch.Tensor = NONE
+    centroids: torch.Tensor = NONE
+    signs: torch.Tensor = NONE
+    rotation: torch.Tensor = NONE
+    bits: int = 0
+    group: int = 0
+    log_scale: bool = False
+    rotated: bool = False  # values summed in the codec's rotated domain (turbo)
 
 
 class Buffer(ABC):
     """N cells of [heads, dim] rows in one storage format."""
 
-    @abstractmethod
-    def write(self, locs: Locs, x: torch.Tensor) -> None:
-        """Encode rows ``x`` [T, H, D] into cells ``locs``."""
+    spec: WindowSpec | None = None  # None: every row is encoded as it is written
 
     @abstractmethod
-    def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of cells [lo, hi) as ``dtype`` [L, H, D] (a view where no decoding is needed)."""
+    def store(self, locs: torch.Tensor, x: torch.Tensor, plan: SealPlan | None) -> None:
+        """Rows ``x`` [T, H, D] of a forward's new cells ``locs`` [T]; ``plan`` (for a
+        windowed buffer) says which stay in fp16 and which rows to encode now."""
 
     @abstractmethod
-    def gather(self, cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of the given cells as ``dtype`` [n, H, D] (a copy)."""
+    def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
+        """New contents for stored cells (re-rotated keys), each kept in its current form."""
+
+    @abstractmethod
+    def decode(self, cells: Locs, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of ``cells`` as ``dtype`` [n, H, D] (a view where no decoding is needed)."""
+
+    def release(self, cells: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """``cells`` became free (their fp16 window rows, if any, go)."""
+
+    @abstractmethod
+    def layout(self) -> Layout:
+        """The tensors the attention kernel reads."""
 
     @abstractmethod
     def nbytes(self) -> int:
-        """Bytes of every tensor the buffer holds (codes and all metadata)."""
+        """Bytes of every tensor the buffer holds (codes, metadata, windows)."""
 
 
 class Codec(ABC):
@@ -40,54 +96,49 @@ class Codec(ABC):
 
     ``pre_rope``: as a key codec, this format quantizes keys better before RoPE (a cell
     cache with a shift function then stores them un-rotated, see ``storage.py``).
+    ``spec``: its recent window (None: rows are encoded as written).
     """
 
     name: str
     pre_rope: bool = False
+    spec: WindowSpec | None = None
 
     @abstractmethod
-    def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
-        """A zero-initialised buffer of ``n`` cells."""
+    def allocate(
+        self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None
+    ) -> Buffer:
+        """A buffer of ``n`` cells; ``windows``: the cache's bookkeeping of this codec's
+        recent windows (see ``kvcache.recent``), None for a codec without a window."""
 
     def bytes_per_row(self, heads: int, dim: int) -> float:
-        """Stored bytes of one cell's [heads, dim] row, metadata included."""
-        return self.allocate(1, heads, dim, torch.device("cpu")).nbytes()
+        """Stored bytes of one encoded cell's [heads, dim] row, per-row metadata included."""
+        return self.allocate(1, heads, dim, torch.device("cpu"), None).nbytes()
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise NotSupportedError for a device this codec cannot store on."""
+        if device.type != "cpu" and not self.any_device:
+            raise NotSupportedError(
+                f"codec {self.name!r} stores on the CPU only (kvcache.kernels reads it there); "
+                f"got device {device}"
+            )
+
+    any_device: bool = False  # float codecs work on any torch device
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class Centre:
-    """A per-(head, channel) offset subtracted before encoding keys and added back after
-    decoding: the mean of the buffer's first written rows, fixed from then on (fp16 [H, D],
-    counted in ``nbytes``).
+def grown(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with at least ``rows`` rows (zeros appended; the same tensor if it has them)."""
+    if t.shape[0] >= rows:
+        return t
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    return out
 
-    Keys of a head share a large common component (Llama's "massive" key channels); a
-    quantizer that spends its range on it has little left for what tells tokens apart.
-    Any fixed offset round-trips exactly, so cells written before or after, freed or
-    shared, all decode with the same one; it only has to be a typical key.
-    """
 
-    def __init__(self, heads: int, dim: int, device: torch.device) -> None:
-        self.value = torch.zeros((heads, dim), dtype=torch.float16, device=device)
-        self._float = self.value.float()
-        self.fixed = False
-
-    def remove(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, H, D] minus the centre, as float32 (the first call fixes the centre)."""
-        x = x.float()
-        if not self.fixed and x.shape[0] > 0:
-            self.fix(x.mean(dim=0).to(torch.float16))
-        return x - self._float
-
-    def fix(self, value: torch.Tensor) -> None:
-        """Set the centre [H, D] (fp16) now; rows already written would decode wrongly."""
-        self.value, self._float, self.fixed = value, value.float(), True
-
-    def restore(self, x: torch.Tensor) -> torch.Tensor:
-        """Add the centre back to decoded rows ``x`` [L, H, D] (in place)."""
-        return x.add_(self._float if x.dtype == torch.float32 else self.value.to(x.dtype))
-
-    def nbytes(self) -> int:
-        return tensor_bytes(self.value)
+def capacity(need: int, have: int, limit: int, step: int = 64) -> int:
+    """Rows to allocate for ``need``: 1.25x growth in steps of ``step``, at most ``limit``."""
+    want = max(need, have + have // 4)
+    return min(limit, -(-want // step) * step) if need <= limit else need

@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.codecs.base import Buffer, Codec, Locs, tensor_bytes
+from kvcache.codecs.base import FLOAT_KINDS, Buffer, Codec, Layout, Locs, tensor_bytes
+from kvcache.recent import SealPlan, Windows
 
 
 class FloatBuffer(Buffer):
     def __init__(self, n: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
         self.data = torch.zeros((n, heads, dim), dtype=dtype, device=device)  # [N, H, D]
 
-    def write(self, locs: Locs, x: torch.Tensor) -> None:
-        if isinstance(locs, slice):
-            self.data[locs] = x
-        else:
-            self.data.index_copy_(0, locs, x.to(self.data.dtype))
+    def store(self, locs: torch.Tensor, x: torch.Tensor, plan: SealPlan | None) -> None:
+        self.data.index_copy_(0, locs, x.to(self.data.dtype))
 
-    def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.data[lo:hi].to(dtype)  # no copy when dtype matches
+    def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
+        self.data.index_copy_(0, cells, x.to(self.data.dtype))
 
-    def gather(self, cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.data[cells].to(dtype)
+    def decode(self, cells: Locs, dtype: torch.dtype) -> torch.Tensor:
+        return self.data[cells].to(dtype)  # a view for a slice of the same dtype
+
+    def layout(self) -> Layout:
+        kind = FLOAT_KINDS.get(self.data.dtype)
+        assert kind is not None, f"no kernel reads {self.data.dtype} rows"
+        return Layout(kind, self.data)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.data)
@@ -29,6 +32,8 @@ class FloatBuffer(Buffer):
 
 class FloatCodec(Codec):
     """Rows kept as floats of ``dtype``."""
+
+    any_device = True
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -39,5 +44,7 @@ class FloatCodec(Codec):
             torch.float64: "fp64",
         }.get(dtype, str(dtype))
 
-    def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
+    def allocate(
+        self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None
+    ) -> Buffer:
         return FloatBuffer(n, heads, dim, self.dtype, device)

@@ -1,141 +1,220 @@
-"""Integer codecs: int8 with a per-(token, head) scale, int4 in asymmetric groups.
+"""Integer codecs: int8 with a per-(token, head) scale; affine b-bit codes per row.
 
-int8 layout: codes int8 [N, H, D], scale fp16 [N, H, 1]; x ~= codes * scale, symmetric
-(absmax / 127).
-int4 layout: codes packed two per byte uint8 [N, H, D/2] (low nibble = even index), and per
-group of ``group`` channels an fp16 scale and minimum [N, H, D/group]; x ~= q * scale + min
-with q in 0..15 (asymmetric). With group 32 that is 4 + 32/32 = 5 bits per value. As a key
-codec int4 first subtracts a per-channel :class:`~kvcache.codecs.base.Centre` (measured on
-SmolLM2, 1 window: ΔPPL from keys alone +12.7 % without, +3.0 % with).
+int8 layout: codes int8 [N', H, D], scale fp16 [N', H, 1]; x ~= codes * scale, symmetric
+(absmax / 127). No recent window beyond the batching of ``kvcache.recent`` (rows wait in fp16
+until 32 of a sequence are encoded at once): 8 bits lose nothing a window would save.
+
+Affine rows (``int4``, ``int4g64``, and KIVI's per-token values): codes packed 8/bits per
+byte uint8 [N', H, D*bits/8] (little end first: the low nibble is the even channel), and per
+group of ``group`` channels an fp16 scale and minimum [N', H, D/group]; x ~= q * scale + min
+with q in 0..2^bits-1. With 4 bits in groups of 32 that is 5 bits per value. As a key codec
+int4 first subtracts its sequence's key centre (``centre``: fp16 [M, H, D], one record per
+sequence, the mean of its rows when it first seals one; measured on SmolLM2, 1 window: ΔPPL
+from keys alone +12.7 % without a centre, +3.0 % with).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvcache.codecs.base import Buffer, Centre, Codec, Locs, tensor_bytes
-from kvcache.codecs.pack import pack, unpack4
+from kvcache.codecs.base import AFFINE_ROWS, INT8, Buffer, Codec, Layout, grown
+from kvcache.codecs.pack import pack, unpack, unpack4
+from kvcache.codecs.window import WindowedBuffer
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
+from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
 
 META = torch.float16  # scales and minimums: counted in nbytes like the codes
 
 
-def _put(t: torch.Tensor, locs: Locs, x: torch.Tensor) -> None:
-    if isinstance(locs, slice):
-        t[locs] = x
-    else:
-        t.index_copy_(0, locs, x)
+class Int8Buffer(WindowedBuffer):
+    """int8 codes with a per-(row, head) fp16 scale."""
 
+    def __init__(self, n: int, heads: int, dim: int, windows: Windows, device: torch.device):
+        super().__init__(n, heads, dim, windows, device)
+        self.codes = torch.zeros((0, heads, dim), dtype=torch.int8, device=device)  # [N', H, D]
+        self.scale = torch.zeros((0, heads, 1), dtype=META, device=device)  # [N', H, 1]
 
-def _rounded(meta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp16 metadata as float32, first rounded to ``dtype`` when that is narrower (so a
-    bf16 read equals computing in bf16 from bf16 scales, rounded once at the end)."""
-    if dtype in (torch.float16, torch.bfloat16):
-        meta = meta.to(dtype)
-    return meta.float()
+    def _allocate(self, rows: int) -> None:
+        self.codes, self.scale = grown(self.codes, rows), grown(self.scale, rows)
 
-
-class Int8Buffer(Buffer):
-    def __init__(self, n: int, heads: int, dim: int, device: torch.device) -> None:
-        self.codes = torch.zeros((n, heads, dim), dtype=torch.int8, device=device)  # [N, H, D]
-        self.scale = torch.zeros((n, heads, 1), dtype=META, device=device)  # [N, H, 1]
-
-    def write(self, locs: Locs, x: torch.Tensor) -> None:
-        x = x.float()
-        scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).to(META)  # [T, H, 1]
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).to(META)  # [n, H, 1]
         safe = scale.float().clamp_min(torch.finfo(META).tiny)
-        _put(self.codes, locs, torch.round(x / safe).clamp_(-127, 127).to(torch.int8))
-        _put(self.scale, locs, scale)
+        self.codes.index_copy_(0, cells, torch.round(x / safe).clamp_(-127, 127).to(torch.int8))
+        self.scale.index_copy_(0, cells, scale)
 
-    def _decode(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    def _decode(self, cells: np.ndarray) -> torch.Tensor:
+        at = self.index(cells)
+        codes, scale = self.codes[at], self.scale[at]
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
         out.copy_(codes)  # one conversion, no float temporary
-        return out.mul_(scale.to(dtype))
+        return out.mul_(scale.float())
 
-    def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._decode(self.codes[lo:hi], self.scale[lo:hi], dtype)
+    def layout(self) -> Layout:
+        return self.window_layout(Layout(INT8, self.codes, scale=self.scale))
 
-    def gather(self, cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._decode(self.codes[cells], self.scale[cells], dtype)
-
-    def nbytes(self) -> int:
-        return tensor_bytes(self.codes, self.scale)
+    def _code_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.scale)
 
 
 class Int8Codec(Codec):
-    """8-bit symmetric codes with one fp16 scale per token and head."""
+    """8-bit symmetric codes with one fp16 scale per token and head; rows wait in fp16 until
+    ``batch`` of a sequence can be encoded together (no window beyond that)."""
 
-    name = "int8"
+    any_device = True
 
-    def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
-        return Int8Buffer(n, heads, dim, device)
+    def __init__(self, batch: int = SEAL_BATCH) -> None:
+        self.name = "int8"
+        self.spec = WindowSpec(0, 1, "none", _batch(batch))
+
+    def allocate(
+        self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None
+    ) -> Buffer:
+        assert windows is not None and windows.spec == self.spec, "int8 needs its windows"
+        return Int8Buffer(n, heads, dim, windows, device)
+
+    def bytes_per_row(self, heads: int, dim: int) -> float:
+        return heads * (dim + 2)
 
 
-class Int4Buffer(Buffer):
+class AffineRowsBuffer(WindowedBuffer):
+    """b-bit asymmetric codes with an fp16 scale and minimum per group of channels."""
+
     def __init__(
-        self, n: int, heads: int, dim: int, group: int, centre: bool, device: torch.device
+        self,
+        n: int,
+        heads: int,
+        dim: int,
+        codec: AffineRowsCodec,
+        windows: Windows,
+        device: torch.device,
     ) -> None:
-        if dim % group or dim % 2:
-            raise DimensionMismatchError(f"a multiple of {group} (and of 2)", dim, "int4 head_dim")
-        self.centre = Centre(heads, dim, device) if centre else None
-        self.group = group
-        self.dim = dim
+        group = min(codec.group, dim)  # a head narrower than a group is one group
+        if dim % group or (dim * codec.bits) % 8:
+            raise DimensionMismatchError(f"a multiple of {group}", dim, f"{codec.name} head_dim")
+        super().__init__(n, heads, dim, windows, device)
+        self.bits, self.group = codec.bits, group
         g = dim // group
-        self.codes = torch.zeros((n, heads, dim // 2), dtype=torch.uint8, device=device)
-        self.scale = torch.zeros((n, heads, g), dtype=META, device=device)  # [N, H, D/G]
-        self.low = torch.zeros((n, heads, g), dtype=META, device=device)  # [N, H, D/G]
+        self.codes = torch.zeros((0, heads, dim * self.bits // 8), dtype=torch.uint8, device=device)
+        self.scale = torch.zeros((0, heads, g), dtype=META, device=device)  # [N', H, D/G]
+        self.low = torch.zeros((0, heads, g), dtype=META, device=device)  # [N', H, D/G]
+        self.centre = (
+            torch.zeros((0, heads, dim), dtype=META, device=device) if codec.centre else None
+        )
 
-    def write(self, locs: Locs, x: torch.Tensor) -> None:
+    def _allocate(self, rows: int) -> None:
+        self.codes, self.scale, self.low = (
+            grown(t, rows) for t in (self.codes, self.scale, self.low)
+        )
+
+    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
+        if self.centre is not None:  # the sequence's key centre: the mean of its rows now
+            self.centre = self.meta_rows(self.centre)
+            self.centre[meta] = basis.mean(dim=0).to(META)
+
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        if self.centre is not None:
+            x = x - self.centre[self.index(metas).long()].float()
         t, h, _ = x.shape
-        x = self.centre.remove(x) if self.centre is not None else x.float()
+        levels = (1 << self.bits) - 1
         xg = x.reshape(t, h, -1, self.group)  # [T, H, D/G, G]
         lo, hi = torch.aminmax(xg, dim=-1)
         low = lo.to(META)
-        scale = ((hi - low.float()) / 15.0).to(META)
+        scale = ((hi - low.float()) / levels).to(META)
         safe = scale.float().clamp_min(torch.finfo(META).tiny)
-        q = torch.round((xg - low.float()[..., None]) / safe[..., None]).clamp_(0, 15)
-        _put(self.codes, locs, pack(q.reshape(t, h, self.dim), 4))
-        _put(self.scale, locs, scale)
-        _put(self.low, locs, low)
+        q = torch.round((xg - low.float()[..., None]) / safe[..., None]).clamp_(0, levels)
+        self.codes.index_copy_(0, cells, pack(q.reshape(t, h, self.dim).to(torch.uint8), self.bits))
+        self.scale.index_copy_(0, cells, scale)
+        self.low.index_copy_(0, cells, low)
 
-    def _decode(
-        self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """q * scale + low (+ centre) as ``dtype`` [L, H, D]. Computed in float32 in place:
-        one uint8 -> float conversion, then a multiply and an add each with one broadcast
-        operand (an ``addcmul`` with two broadcast operands leaves ATen's vectorised CPU
-        loop: 3x slower at 2k rows). Equal to the addcmul formula bit for bit."""
+    def _decode(self, cells: np.ndarray) -> torch.Tensor:
+        """q * scale + low (+ centre), float32 [n, H, D]: one uint8 -> float conversion, then
+        a multiply and an add each with one broadcast operand (fast; see git history)."""
+        at = self.index(cells)
+        codes = self.codes[at]
         n, h, _ = codes.shape
         g = self.dim // self.group
-        x = torch.empty((n, h, self.dim), dtype=torch.float32, device=codes.device)
-        x.copy_(unpack4(codes).view(n, h, self.dim))
+        x = torch.empty((n, h, self.dim), dtype=torch.float32, device=self.device)
+        q = unpack4(codes) if self.bits == 4 else unpack(codes, self.bits)
+        x.copy_(q.view(n, h, self.dim))
         xg = x.view(n, h, g, self.group)
-        xg.mul_(_rounded(scale, dtype).view(n, h, g, 1))
-        xg.add_(_rounded(low, dtype).view(n, h, g, 1))
-        out = x if dtype == torch.float32 else x.to(dtype)
-        return self.centre.restore(out) if self.centre is not None else out
+        xg.mul_(self.scale[at].float().view(n, h, g, 1))
+        xg.add_(self.low[at].float().view(n, h, g, 1))
+        if self.centre is not None:
+            meta = self.index(self.windows.meta_of[cells])
+            x.add_(self.centre[meta].float())
+        return x
 
-    def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._decode(self.codes[lo:hi], self.scale[lo:hi], self.low[lo:hi], dtype)
+    def layout(self) -> Layout:
+        layout = Layout(
+            AFFINE_ROWS,
+            self.codes,
+            scale=self.scale,
+            low=self.low,
+            bits=self.bits,
+            group=self.group,
+        )
+        if self.centre is not None:
+            layout.meta_of = torch.from_numpy(self.windows.meta_of)
+            layout.meta_a = self.centre
+        return self.window_layout(layout)
 
-    def gather(self, cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._decode(self.codes[cells], self.scale[cells], self.low[cells], dtype)
-
-    def nbytes(self) -> int:
-        extra = self.centre.nbytes() if self.centre is not None else 0
-        return tensor_bytes(self.codes, self.scale, self.low) + extra
+    def _code_tensors(self) -> tuple[torch.Tensor, ...]:
+        extra = (self.centre,) if self.centre is not None else ()
+        return (self.codes, self.scale, self.low, *extra)
 
 
-class Int4Codec(Codec):
-    """4-bit asymmetric codes, an fp16 scale and minimum per group of channels; ``centre``
-    subtracts a per-channel centre first (keys)."""
+class AffineRowsCodec(Codec):
+    """``bits``-bit codes per row in groups of ``group`` channels, the newest ``window``
+    rows of each sequence in fp16; ``centre``: subtract the sequence's key centre first."""
 
-    def __init__(self, group: int = 32, centre: bool = False) -> None:
+    any_device = True
+
+    def __init__(
+        self,
+        bits: int,
+        group: int,
+        centre: bool,
+        window: int,
+        name: str,
+        pre_rope: bool = False,
+        batch: int = SEAL_BATCH,
+    ) -> None:
+        if bits not in (2, 4):
+            raise InvalidConfigError("bits", bits, "2 or 4")
         if group < 2 or group % 2:
             raise InvalidConfigError("group", group, "an even int >= 2")
-        self.group = group
-        self.centre = centre
-        self.name = "int4" if group == 32 else f"int4g{group}"
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise InvalidConfigError("recent", window, "an int >= 0")
+        self.bits, self.group, self.centre, self.name = bits, group, centre, name
+        self.pre_rope = pre_rope
+        self.spec = WindowSpec(window, 1, "sequence" if centre else "none", _batch(batch))
 
-    def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
-        return Int4Buffer(n, heads, dim, self.group, self.centre, device)
+    def allocate(
+        self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None
+    ) -> Buffer:
+        assert windows is not None and windows.spec == self.spec, (
+            "a windowed codec needs its windows"
+        )
+        return AffineRowsBuffer(n, heads, dim, self, windows, device)
+
+    def bytes_per_row(self, heads: int, dim: int) -> float:
+        return heads * (dim * self.bits / 8 + 2 * 2 * dim / self.group)
+
+
+def int4(
+    group: int = 32, centre: bool = False, window: int = 128, batch: int = SEAL_BATCH
+) -> AffineRowsCodec:
+    """4-bit affine codes (``int4``: groups of 32 channels; ``int4g64``: 64)."""
+    name = "int4" if group == 32 else f"int4g{group}"
+    return AffineRowsCodec(4, group, centre, window, name, batch=batch)
+
+
+def _batch(batch: int) -> int:
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise InvalidConfigError("batch", batch, "an int >= 1 (rows of a sequence sealed together)")
+    return batch
+
+
+__all__ = ["AffineRowsCodec", "Int8Codec", "int4"]

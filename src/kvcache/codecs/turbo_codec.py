@@ -1,11 +1,13 @@
 """TurboQuant codecs for the cell cache (``turbo4``, ``turbo3``): the quantizer of
-``kvcache.codecs.turbo`` applied per cell and head.
+``kvcache.codecs.quantizer`` applied per cell and head.
 
 Layout per layer (head h uses rotation seed ``seed + h``, as the compressed cache does)::
 
-    codes  uint8 [N, H, P * bits / 8]   codebook indices of the rotated, normalised row
-    scale  bf16  [N, H, 1]              norm-preserving scale
-           (or uint8 [N, H, 1]: log2 of it in 1/8-octave steps, ``log_scale``)
+    codes   uint8 [N', H, P * bits / 8]   codebook indices of the rotated, normalised row
+    scale   bf16  [N', H, 1]              norm-preserving scale
+            (or uint8 [N', H, 1]: log2 of it in 1/8-octave steps, ``log_scale``)
+    centre  fp16  [M, H, D]               keys: the sequence's key centre (kvcache.recent)
+    + the recent window (window.py)
 
 The names give the average bits per stored value, and the bits are split unevenly: keys
 get one bit more than values (``turbo4`` = 5-bit keys + 3-bit values, ``turbo3`` = 4 + 2),
@@ -16,59 +18,85 @@ its values' norm in one byte (log-coded; at most 4.4 % off, next to the 2-bit co
 ~34 % relative error) so that K+V fit in 1/5 of fp16's bytes.
 
 Keys and values both spend all ``bits`` on the Lloyd–Max codebook (the module docstring of
-``turbo.py`` says why QJL loses). Keys are centred as in the compressed cache, but by a
-fixed :class:`~kvcache.codecs.base.Centre` (the first write's mean), not a running mean:
-cells are written out of order and shared by sequences. Keys are quantized before RoPE
-where the cache can (``pre_rope``): the centre of un-rotated keys holds at every position.
-Measured on SmolLM2 (1 window, keys alone): ΔPPL +10.0 % plain, +6.4 % centred, +2.2 %
-centred before RoPE.
+``quantizer.py`` says why QJL loses). Keys are centred by their sequence's centre (the mean of
+its rows when it first seals one): any fixed offset round-trips, and cells are written out
+of order and shared by sequences. Keys are quantized before RoPE where the cache can
+(``pre_rope``): the centre of un-rotated keys holds at every position. Measured on SmolLM2
+(1 window, keys alone): ΔPPL +10.0 % plain, +6.4 % centred, +2.2 % centred before RoPE.
+
+Values are summed by the attention kernel in the rotated domain (weights times codebook
+levels) and rotated back once per output row.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
-from kvcache.codecs.base import Buffer, Centre, Codec, Locs, tensor_bytes
+from kvcache.codecs.base import TURBO, Buffer, Codec, Layout, grown
 from kvcache.codecs.encoded import SCALE_DTYPE, Encoded
 from kvcache.codecs.pack import packed_width
 from kvcache.codecs.quantizer import HeadStack, TurboQuantizer
+from kvcache.codecs.window import WindowedBuffer
+from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
+
+CENTRE = torch.float16
 
 
-class TurboBuffer(Buffer):
+class TurboBuffer(WindowedBuffer):
     def __init__(
-        self, n: int, heads: int, dim: int, codec: TurboCodec, device: torch.device
+        self,
+        n: int,
+        heads: int,
+        dim: int,
+        codec: TurboCodec,
+        windows: Windows,
+        device: torch.device,
     ) -> None:
+        super().__init__(n, heads, dim, windows, device)
         self.quantizers = [
             TurboQuantizer(dim, codec.bits, seed=codec.seed + h) for h in range(heads)
         ]
         self.stack = HeadStack(self.quantizers)
-        self.keys = codec.keys
-        self.log_scale = codec.log_scale
-        self.centre = Centre(heads, dim, device) if codec.keys else None
-        width = packed_width(self.quantizers[0].padded, codec.bits)
-        self.codes = torch.zeros((n, heads, width), dtype=torch.uint8, device=device)
+        self.bits, self.keys, self.log_scale = codec.bits, codec.keys, codec.log_scale
+        self.padded = self.quantizers[0].padded
+        width = packed_width(self.padded, codec.bits)
+        self.codes = torch.zeros((0, heads, width), dtype=torch.uint8, device=device)
         scale_dtype = torch.uint8 if codec.log_scale else SCALE_DTYPE
-        self.scale = torch.zeros((n, heads, 1), dtype=scale_dtype, device=device)
+        self.scale = torch.zeros((0, heads, 1), dtype=scale_dtype, device=device)
+        self.centre = (
+            torch.zeros((0, heads, dim), dtype=CENTRE, device=device) if codec.keys else None
+        )
 
-    def write(self, locs: Locs, x: torch.Tensor) -> None:
-        x = self.centre.remove(x) if self.centre is not None else x
-        encoded = self.stack.encode(x.float().transpose(0, 1), None, self.keys)  # per head
+    def _allocate(self, rows: int) -> None:
+        self.codes, self.scale = grown(self.codes, rows), grown(self.scale, rows)
+
+    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
+        if self.centre is not None:  # the sequence's key centre: the mean of its rows now
+            self.centre = self.meta_rows(self.centre)
+            self.centre[meta] = basis.mean(dim=0).to(CENTRE)
+
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        if self.centre is not None:
+            x = x - self.centre[self.index(metas).long()].float()
+        encoded = self.stack.encode(x.transpose(0, 1), None, self.keys)  # per head
         codes = torch.stack([e.codes for e in encoded], dim=1)  # [T, H, W]
         scale = torch.stack([e.scale for e in encoded], dim=1)  # [T, H, 1]
         if self.log_scale:
             scale = _log_code(scale)
-        if isinstance(locs, slice):
-            self.codes[locs], self.scale[locs] = codes, scale
-        else:
-            self.codes.index_copy_(0, locs, codes)
-            self.scale.index_copy_(0, locs, scale)
+        self.codes.index_copy_(0, cells, codes)
+        self.scale.index_copy_(0, cells, scale)
 
-    def _decode(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _decode(self, cells: np.ndarray) -> torch.Tensor:
+        at = self.index(cells)
+        codes, scale = self.codes[at], self.scale[at]
         if self.log_scale:
             scale = _log_decode(scale)
+        n = len(cells)
         rows = []
         for h, q in enumerate(self.quantizers):
-            n = codes.shape[0]
             enc = Encoded(
                 codes[:, h],
                 scale[:, h],
@@ -76,34 +104,65 @@ class TurboBuffer(Buffer):
                 torch.empty(n, 0, dtype=SCALE_DTYPE),
             )
             rows.append(q.decode_keys(enc) if self.keys else q.decode_values(enc))
-        x = torch.stack(rows, dim=1)  # [L, H, D] float32
-        x = self.centre.restore(x) if self.centre is not None else x
-        return x.to(dtype)
+        x = torch.stack(rows, dim=1)  # [n, H, D] float32
+        if self.centre is not None:
+            meta = self.index(self.windows.meta_of[cells])
+            x.add_(self.centre[meta].float())
+        return x
 
-    def read(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._decode(self.codes[lo:hi], self.scale[lo:hi], dtype)
+    def layout(self) -> Layout:
+        book = self.quantizers[0].key_codebook if self.keys else self.quantizers[0].value_codebook
+        assert book is not None
+        layout = Layout(
+            TURBO,
+            self.codes,
+            scale=self.scale,
+            centroids=book.centroids * (1.0 / math.sqrt(self.padded)),
+            signs=self.stack.rotations.signs,
+            rotation=_or_empty(self.stack.rotations.matrices),
+            bits=self.bits,
+            log_scale=self.log_scale,
+            rotated=not self.keys,
+        )
+        if self.centre is not None:
+            layout.meta_of = torch.from_numpy(self.windows.meta_of)
+            layout.meta_a = self.centre
+        return self.window_layout(layout)
 
-    def gather(self, cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._decode(self.codes[cells], self.scale[cells], dtype)
-
-    def nbytes(self) -> int:
-        extra = self.centre.nbytes() if self.centre is not None else 0
-        return tensor_bytes(self.codes, self.scale) + extra
+    def _code_tensors(self) -> tuple[torch.Tensor, ...]:
+        extra = (self.centre,) if self.centre is not None else ()
+        return (self.codes, self.scale, *extra)
 
 
 class TurboCodec(Codec):
     """TurboQuant-style codes with ``bits`` per coordinate (keys: ``keys=True``);
-    ``log_scale`` stores each row's norm in one byte instead of a bf16."""
+    ``log_scale`` stores each row's norm in one byte instead of a bf16; each sequence's
+    newest ``window`` rows stay in fp16."""
 
     def __init__(
-        self, bits: int, keys: bool, seed: int = 0, log_scale: bool = False, name: str = ""
+        self,
+        bits: int,
+        keys: bool,
+        seed: int = 0,
+        log_scale: bool = False,
+        name: str = "",
+        window: int = 128,
+        batch: int = SEAL_BATCH,
     ) -> None:
         self.bits, self.keys, self.seed, self.log_scale = bits, keys, seed, log_scale
         self.name = name or f"turbo{bits}"
         self.pre_rope = keys
+        self.spec = WindowSpec(window, 1, "sequence" if keys else "none", batch)
 
-    def allocate(self, n: int, heads: int, dim: int, device: torch.device) -> Buffer:
-        return TurboBuffer(n, heads, dim, self, device)
+    def allocate(
+        self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None
+    ) -> Buffer:
+        assert windows is not None and windows.spec == self.spec, "turbo needs its windows"
+        return TurboBuffer(n, heads, dim, self, windows, device)
+
+    def bytes_per_row(self, heads: int, dim: int) -> float:
+        padded = 1 << max(1, (dim - 1).bit_length())
+        return heads * (packed_width(padded, self.bits) + (1 if self.log_scale else 2))
 
 
 # log-coded norms: code 0 is 0, code c >= 1 is 2 ** ((c - 1) / 8 - 16), so 2^-16 .. 2^15.75
@@ -118,6 +177,11 @@ def _log_code(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _log_decode(code: torch.Tensor) -> torch.Tensor:
+    """uint8 codes -> float32 norms (as the attention kernel reads them)."""
     c = code.float()
     s = torch.exp2((c - 1) / _LOG_STEPS + _LOG_MIN)
-    return torch.where(code > 0, s, torch.zeros_like(s)).to(SCALE_DTYPE)
+    return torch.where(code > 0, s, torch.zeros_like(s))
+
+
+def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
+    return t if t is not None else torch.empty(0)

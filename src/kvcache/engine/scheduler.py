@@ -362,7 +362,7 @@ class Engine:
             self.cache.remove(holder, 0)
             self.index.drop(holder, 0)
             self.stats.evictions += 1
-            if self.cache.cells.free_count() >= needed:
+            if self.cache.free_cells() >= needed:
                 return True
         if len(self.running) <= 1:
             return False
@@ -434,13 +434,11 @@ class Engine:
         todo = [i for i, h in enumerate(hashes) if h not in self._published]
         if not todo:
             return
-        cells = torch.from_numpy(self.cache.cells.cells_of(seq))
-        order = torch.from_numpy(self.cache.cells.pos[cells.numpy()]).argsort()
-        cells = cells[order]  # cells of positions 0..len-1, in position order
-        layers = sorted(self.cache.storage.layers)
+        cells = torch.from_numpy(self.cache.cells_of(seq))  # positions 0..len-1, in order
+        layers = self.cache.layers()
         for i in todo:
             idx = cells[i * b : (i + 1) * b]
-            kv = [self.cache.read_cells(lay, idx) for lay in layers]
+            kv = [self.cache.read(lay, idx) for lay in layers]
             keys = [k.to(self.model.dtype) for k, _ in kv]
             vals = [v.to(self.model.dtype) for _, v in kv]
             try:
@@ -460,7 +458,7 @@ class Engine:
         """Cells held by prefix holders (and nobody else's to free); shared cells count once."""
         held: set[int] = set()
         for h in self.index.lru():
-            held.update(self.cache.cells.cells_of(h).tolist())
+            held.update(self.cache.cells_of(h).tolist())
         return len(held)
 
     def metrics(self) -> dict[str, float]:

@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvcache.batch import Batch
-from kvcache.causal import CausalCache, _Forward
+from kvcache.causal import CausalCache
 from kvcache.codecs import Codec, make_codec
 from kvcache.errors import (
     CacheFullError,
@@ -45,16 +45,6 @@ from kvcache.hf.views import LayerView
 from kvcache.validate import config_int, int_arg, optional_config_int
 
 CodecSpec = str | Codec | None
-
-
-class _MasklessCausalCache(CausalCache):
-    """A CausalCache that skips building its own [T, L] mask: transformers builds the mask
-    from ``get_mask_sizes``, and ours would cost O(T * L) (a 64 MB bool array held through an
-    8k-token prefill). ``get`` is never called on it (the adapter reads storage through its
-    ReadPlan), so the empty mask is never seen."""
-
-    def _mask(self, fwd: _Forward) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.bool)
 
 
 @dataclass(frozen=True)
@@ -172,7 +162,7 @@ class KVCacheForTransformers(Cache):
             self._abort(step)  # e.g. a codec that cannot store this head_dim
             raise
         plan = step.plans[g]
-        keys, values = cache.storage.view(layer, plan.lo, plan.hi)  # [hi - lo, H, D]
+        keys, values = cache.read(layer, slice(plan.lo, plan.hi))  # [hi - lo, H, D]
         self._seen[layer] = step.past + step.tokens
         step.last_layer = layer
         self._views[layer].is_initialized = True
@@ -199,7 +189,7 @@ class KVCacheForTransformers(Cache):
         self._rows = rows
         end = past + t
         plans = [
-            ReadPlan.build(c.cells, rows, kv_offset(g.window, past), end, c.device)
+            ReadPlan.build(c, rows, kv_offset(g.window, past), end)
             for c, g in zip(self.caches, self.groups, strict=True)
         ]
         self._step = _Step(past, prev, b, t, -1, plans)
@@ -305,10 +295,10 @@ class KVCacheForTransformers(Cache):
         }
         w = group.window
         if w is None or w >= self.capacity:
-            return _MasklessCausalCache(self.capacity, **common)
+            return CausalCache(self.capacity, **common)
         # rows keep <= w old tokens (memory w) plus at most min(capacity - w, T) new ones
         per_row_new = min(self.capacity - w, self.max_forward_tokens)
-        return _MasklessCausalCache(
+        return CausalCache(
             self.capacity,
             window=cell_window(w),
             memory=w,
@@ -323,10 +313,11 @@ class KVCacheForTransformers(Cache):
         cannot return that memory: measured +260 MiB resident at 8k on SmolLM2."""
         if self._kv_shape != (int(keys.shape[1]), int(keys.shape[3])):
             return
-        k, v = _tokens(keys[:, :, :0]), _tokens(values[:, :, :0])  # [0, H, D]: shapes only
+        k, v = _tokens(keys[:1, :, :1]), _tokens(values[:1, :, :1])  # [1, H, D]: shapes only
         for cache, group in zip(self.caches, self.groups, strict=True):
+            cache.start_forward(Batch([0], [0]), reserve=True)  # allocates, places nothing
             for layer in group.layers:
-                cache.storage.layer(layer, k, v)
+                cache.put(layer, k, v)
 
     def _new_seq(self) -> int:
         seq = self._next_seq

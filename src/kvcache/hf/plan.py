@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcache.cells import Cells
+from kvcache.causal import CausalCache
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,13 @@ class ReadPlan:
     index: torch.Tensor | None  # [B * kv_len] cell - lo; None = cells [lo, hi) are row 0's
 
     @classmethod
-    def build(
-        cls, cells: Cells, seqs: Sequence[int], begin: int, end: int, device: torch.device
-    ) -> ReadPlan:
+    def build(cls, cache: CausalCache, seqs: Sequence[int], begin: int, end: int) -> ReadPlan:
         """Plan the read of positions [begin, end) of each row's sequence ``seqs[b]``."""
         length = end - begin
         table = np.empty((len(seqs), length), dtype=np.int64)  # [B, kv_len] cell indices
         for b, seq in enumerate(seqs):
-            held = cells.cells_of(seq)
-            pos = cells.pos[held]
+            held = cache.cells_of(seq)  # by position
+            pos = np.asarray(cache.positions(seq), dtype=np.int64)
             keep = (pos >= begin) & (pos < end)
             assert int(keep.sum()) == length, (
                 f"row {b} (seq {seq}) holds {int(keep.sum())} of positions [{begin}, {end})"
@@ -53,7 +51,7 @@ class ReadPlan:
         lo, hi = int(table.min()), int(table.max()) + 1
         if len(seqs) == 1 and hi - lo == length and bool((np.diff(table[0]) == 1).all()):
             return cls(lo, hi, 1, length, None)
-        index = torch.from_numpy((table - lo).reshape(-1)).to(device)
+        index = torch.from_numpy((table - lo).reshape(-1)).to(cache.device)
         return cls(lo, hi, len(seqs), length, index)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:

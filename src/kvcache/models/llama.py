@@ -3,17 +3,10 @@
 Layout: activations are token-major, ``x: [T, E]`` for the T tokens of one forward, which may
 mix prefill chunks and decode tokens of many sequences (a :class:`~kvcache.Batch` says which
 position of which sequence each row is). Per layer the fused projection gives
-``qkv: [T, (Hq + 2 Hkv) D]``; RoPE rotates q and k together; k, v ``[T, Hkv, D]`` go to the
-cache, which hands back its history as token-major views ``[L, Hkv, D]`` plus a bool mask
-``[T, L]``. For decode steps (few tokens) attention groups the ``G = Hq / Hkv`` query heads
-of each KV head into one matrix, straight on the cache's views::
-
-    q  [T, Hkv, G, D] -> [Hkv, T*G, D]      k [L, Hkv, D] -> [Hkv, D, L] (strided view)
-    scores = bias + q @ k / sqrt(D)          bias [T*G, L]: 0 / -inf from the mask, once
-    out = softmax(scores) @ v  [Hkv, T*G, D] -> [T, Hq*D]
-
-Prefill chunks (``SDPA_MIN_TOKENS`` or more) go through SDPA's fused kernel with 4-D inputs.
-Query head ``h`` reads KV head ``h // G`` (HuggingFace's ``repeat_kv`` order).
+``qkv: [T, (Hq + 2 Hkv) D]``; RoPE rotates q and k together; then attention is the cache's
+operation: ``cache.attention(layer, q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]`` stores
+k, v and attends each row to its own sequence's cells (``kvcache.kernels``). Query head ``h``
+reads KV head ``h // G`` (HuggingFace's ``repeat_kv`` order, ``G = Hq / Hkv``).
 """
 
 from __future__ import annotations
@@ -29,17 +22,12 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
+from kvcache.kernels.reference import grouped_attention
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
 from kvcache.weights.gguf import GGUFFile, smollm2_path, unpermute_rope_rows
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-# Chunks of at least this many tokens attend through SDPA's fused kernel (measured here, one
-# thread: 512 tokens over a 4k history 53 ms vs 109 ms for matmul-softmax-matmul, whose
-# [T*G, L] scores also cost memory); fewer tokens (decode) use the grouped matmuls on the
-# cache's views (1 token over 4k: 0.49 ms vs 1.21 ms for SDPA).
-SDPA_MIN_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -129,14 +117,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def additive_mask(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bool mask ``[T, L]`` (True = may attend) -> float bias ``[T*G, L]`` of 0 / -inf."""
-    t, length = mask.shape
-    bias = torch.zeros((t, length), dtype=dtype).masked_fill_(~mask, float("-inf"))
-    # bias: [T, G, L] -> [T*G, L], row t*G + g for query head g of the group
-    return bias[:, None, :].expand(t, group, length).reshape(t * group, length)
-
-
 class Llama:
     """Llama decoder over a caller-owned cache; the model itself holds weights only."""
 
@@ -221,7 +201,7 @@ class Llama:
             max_sequences=max_sequences,
             max_batch=max_batch,
             window=window,
-            shift=self.rope.shift,
+            shift=self.rope,
             dtype=self.dtype,
             codec=codec,
         )
@@ -247,9 +227,8 @@ class Llama:
             positions = torch.tensor(batch.positions, dtype=torch.int64)  # [T]
             cos, sin = self.rope.tables(positions, self.dtype)  # [T, 1, D] each
             x = F.embedding(ids, self.weights.embed)  # x: [T, E]
-            state = _MaskState()
             for i, layer in enumerate(self.weights.layers):
-                x = self._block(i, layer, x, cos, sin, cache, state)
+                x = self._block(i, layer, x, cos, sin, cache)
             if rows is not None:
                 x = x[rows]
             return self._logits(x)
@@ -274,19 +253,14 @@ class Llama:
         c = self.config
         with torch.no_grad():
             cos, sin = self.rope.tables(torch.arange(t), self.dtype)
-            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
             if window is not None:
                 causal &= torch.ones(t, t, dtype=torch.bool).triu(-window)
-            bias = torch.zeros(t, t, dtype=self.dtype).masked_fill_(~causal, float("-inf"))
             x = F.embedding(ids, self.weights.embed)  # x: [T, E]
             for layer in self.weights.layers:
                 q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, c.rms_eps), cos, sin)
-                # k, v: [T, Hkv, D] -> [Hq, T, D], each query head with its own copy
-                k_full = k.repeat_interleave(c.group, dim=1).transpose(0, 1)
-                v_full = v.repeat_interleave(c.group, dim=1).transpose(0, 1)
-                scores = q.transpose(0, 1) @ k_full.transpose(1, 2) / math.sqrt(c.head_dim)
-                out = torch.softmax(scores + bias, dim=-1) @ v_full  # out: [Hq, T, D]
-                x = x + F.linear(out.transpose(0, 1).reshape(t, -1), layer.wo)
+                out = grouped_attention(q, k, v, causal)  # [T, Hq, D]
+                x = x + F.linear(out.reshape(t, -1), layer.wo)
                 x = x + F.linear(self._swiglu(layer, x), layer.w_down)
             return self._logits(x if rows is None else x[rows])
 
@@ -299,53 +273,19 @@ class Llama:
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: Cache,
-        state: _MaskState,
     ) -> torch.Tensor:
         """One decoder block through the cache: attention then MLP, residuals fused in addmm."""
         c = self.config
         q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, c.rms_eps), cos, sin)
-        keys, values, mask = cache.update(index, k, v)  # keys, values: [L, Hkv, D]
-        if mask is None:
+        attention = getattr(cache, "attention", None)
+        if attention is None:
             raise NotSupportedError(
-                f"{type(cache).__name__} returned no mask: Llama needs a causal cache"
+                f"{type(cache).__name__} has no attention(layer, q, k, v): Llama needs a "
+                "causal cache (CausalCache, or a WrapperCache routing to one)"
             )
-        out = self._attend(q, keys, values, state.see(mask))
-        x = torch.addmm(x, out, layer.wo.t())  # x: [T, E]
+        out = attention(index, q, k, v)  # [T, Hq, D]
+        x = torch.addmm(x, out.reshape(x.shape[0], -1), layer.wo.t())  # x: [T, E]
         return torch.addmm(x, self._swiglu(layer, x), layer.w_down.t())
-
-    def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, state: _MaskState
-    ) -> torch.Tensor:
-        """Grouped-query attention of q ``[T, Hq, D]`` over cache views; out ``[T, Hq*D]``."""
-        if keys.dtype != self.dtype:  # a cache storing another dtype hands back copies
-            keys, values = keys.to(self.dtype), values.to(self.dtype)
-        if q.shape[0] >= SDPA_MIN_TOKENS:
-            return self._attend_chunk(q, keys, values, state.mask)
-        c = self.config
-        t = q.shape[0]
-        # qg: [Hkv, T*G, D] (a view for a decode step, T = 1)
-        qg = q.reshape(t, c.num_kv_heads, c.group, c.head_dim).transpose(0, 1)
-        qg = qg.reshape(c.num_kv_heads, t * c.group, c.head_dim)
-        bias = state.bias(c.group, self.dtype)  # [T*G, L]
-        # scores: [Hkv, T*G, L]; keys.permute is a strided view of token-major storage
-        scores = torch.baddbmm(bias, qg, keys.permute(1, 2, 0), alpha=1.0 / math.sqrt(c.head_dim))
-        out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [Hkv, T*G, D]
-        return out.view(c.num_kv_heads, t, c.group, c.head_dim).transpose(0, 1).reshape(t, -1)
-
-    def _attend_chunk(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Prefill-sized chunks: SDPA's fused kernel (online softmax, no [T, L] scores held)."""
-        t = q.shape[0]
-        # q: [1, Hq, T, D]; k, v: [1, Hkv, L, D], head-major copies (cheap next to the chunk)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1).contiguous()[None],
-            values.transpose(0, 1).contiguous()[None],
-            attn_mask=mask,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1).reshape(t, -1)
 
     def _qkv(
         self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -417,25 +357,6 @@ class Llama:
                 raise DimensionMismatchError(shape, tuple(tensor.shape), f"weight {name}")
         if len(w.layers) != c.num_layers:
             raise DimensionMismatchError(c.num_layers, len(w.layers), "number of layers")
-
-
-class _MaskState:
-    """The mask of the current layer and its additive bias, converted once per mask object
-    (a cache hands every layer of a forward the same mask)."""
-
-    def __init__(self) -> None:
-        self.mask = torch.empty(0, dtype=torch.bool)
-        self._bias: torch.Tensor | None = None
-
-    def see(self, mask: torch.Tensor) -> _MaskState:
-        if mask is not self.mask:
-            self.mask, self._bias = mask, None
-        return self
-
-    def bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        if self._bias is None:
-            self._bias = additive_mask(self.mask, group, dtype)
-        return self._bias
 
 
 def _check_dtype(dtype: object) -> None:

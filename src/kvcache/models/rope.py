@@ -28,7 +28,6 @@ class Rope:
             torch.float32: 1.0 / (self.theta ** (exponent.float() / head_dim)),
             torch.float64: 1.0 / (self.theta ** (exponent.double() / head_dim)),
         }
-        self._memo: dict[object, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -52,18 +51,9 @@ class Rope:
         return torch.addcmul(x * cos, swapped, sin_signed)
 
     def shift(self, layer: int, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Keys ``[n, H, D]`` already rotated, moved by ``offsets: [n]`` positions (cache ``shift``).
-
-        The tables of the last few ``offsets`` tensor objects are kept (a cache that stores
-        keys before RoPE passes the same positions tensor to every layer of a forward), so
-        an ``offsets`` tensor must not be changed in place once passed.
-        """
+        """Keys ``[n, H, D]`` already rotated, moved by ``offsets: [n]`` positions (a cache's
+        ``shift``; the cache may instead apply :meth:`tables` itself, see RotaryShift)."""
         del layer  # every layer of a Llama uses the same rotation
-        key = (id(offsets), keys.dtype)  # the memo holds offsets: its id is not reused
-        hit = self._memo.get(key)
-        if hit is None or hit[0] is not offsets:
-            hit = (offsets, *self.tables(offsets, keys.dtype))
-            self._memo[key] = hit
-            while len(self._memo) > 4:
-                del self._memo[next(iter(self._memo))]
-        return self.rotate(keys, hit[1], hit[2])
+        return self.rotate(keys, *self.tables(offsets, keys.dtype))
+
+    __call__ = shift

@@ -5,33 +5,20 @@ pre-norm blocks -> [B, 1500, n_state]. Decoder: token + learned positional embed
 pre-norm blocks (causal self-attention, cross-attention to the encoder, MLP) -> logits
 against the token embedding (tied output projection, one matmul).
 
-The cached decoder runs on :class:`WhisperKVCache`, a :class:`~kvcache.WrapperCache` of::
-
-    layer type 0 (CROSS): EncoderCache  keys/values[layer] : [A, H, 1500, D]  (A audio windows)
-    layer type 1 (SELF) : CausalCache   cells [N, H, D], one cell per decoded token
-
-The cross K/V are projected once, when the cache is built; a step embeds only the new tokens,
-writes their self K/V into free cells and reads the history back as views.
+This file holds the model, its weights and loaders and the uncached forwards (the reference);
+the cached decoding on the library's caches is :mod:`kvcache.models.whisper_decode`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvcache.batch import Batch
-from kvcache.causal import CausalCache
-from kvcache.encoder import EncoderCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
-from kvcache.validate import int_arg
-from kvcache.wrapper import WrapperCache
-
-CROSS, SELF = 0, 1  # layer types of WhisperKVCache's wrapper
 
 
 # ---- configuration -----------------------------------------------------------------------
@@ -118,7 +105,7 @@ class DecoderBlock:
 
 @dataclass
 class Whisper:
-    """Whisper's weights and its uncached forwards; the cached step is forward_decoder_step."""
+    """Whisper's weights and its uncached forwards (cached steps: ``whisper_decode``)."""
 
     config: WhisperConfig
     conv1: Conv1d
@@ -254,220 +241,6 @@ def _self_attention(qkv: torch.Tensor, n_head: int, causal: bool) -> torch.Tenso
     d = n3 // (3 * n_head)
     q, k, v = qkv.view(b, t, 3, n_head, d).permute(2, 0, 3, 1, 4)  # each [B, H, T, D]
     return _merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-
-
-# ---- the cache ---------------------------------------------------------------------------
-class WhisperKVCache:
-    """Self K/V in a CausalCache and cross K/V in an EncoderCache, routed by a WrapperCache.
-
-    ``audio`` is one window's encoder output [S, n] / [1, S, n] or several windows [A, S, n];
-    sequence ``s`` reads window ``s`` when there are several (``copy_prefix`` children inherit
-    their parent's window), window 0 otherwise. ``capacity`` is cells per sequence;
-    ``codec`` stores the self K/V compressed (e.g. "int8", see :mod:`kvcache.codecs`).
-    """
-
-    def __init__(
-        self,
-        model: Whisper,
-        audio: torch.Tensor,
-        *,
-        max_sequences: int = 1,
-        capacity: int | None = None,
-        codec: str | None = None,
-    ) -> None:
-        cfg = model.config
-        if audio.dim() == 2:
-            audio = audio.unsqueeze(0)
-        if audio.dim() != 3 or audio.shape[2] != cfg.n_text_state:
-            raise DimensionMismatchError(
-                f"[A, S, {cfg.n_text_state}]", tuple(audio.shape), "audio states"
-            )
-        self.config = cfg
-        self.n_audio = int(audio.shape[0])
-        self.cross = EncoderCache()
-        self.self_attn = CausalCache(
-            cfg.n_text_ctx if capacity is None else capacity,
-            max_sequences=max_sequences,
-            dtype=model.dtype,
-            codec=codec,
-        )
-        self.cache = WrapperCache(self.cross, self.self_attn)  # layer types CROSS, SELF
-        self.lengths: dict[int, int] = {}  # sequence -> tokens stored (= next position)
-        self.audio_of: dict[int, int] = {}  # sequence -> encoder window it attends to
-        self._store_cross(model, audio)
-
-    def _store_cross(self, model: Whisper, audio: torch.Tensor) -> None:
-        """Project the encoder output once: every layer's K and V in one [A*S, n] x [n, L*2n]."""
-        self.cross.start_forward(Batch([0], [0], encoder_inputs=[0]))
-        with torch.inference_mode():
-            for layer, (k, v) in enumerate(model.cross_kv_layers(audio)):  # [A, H, S, D]
-                self.cross.put(layer, k, v)
-
-    @property
-    def step(self) -> int:
-        """Tokens decoded so far (the longest sequence's length)."""
-        return max(self.lengths.values(), default=0)
-
-    def length(self, seq: int) -> int:
-        """Tokens stored for ``seq`` (= the position of its next token)."""
-        return self.lengths.get(int_arg("seq", seq), 0)
-
-    def window(self, seq: int) -> int:
-        """The encoder window sequence ``seq`` attends to."""
-        seq = int_arg("seq", seq)
-        return self.audio_of.get(seq, seq if self.n_audio > 1 else 0)
-
-    def plan(self, seqs: Sequence[int]) -> Batch:
-        """The batch of one step: tokens of a sequence take its next consecutive positions."""
-        nxt: dict[int, int] = {}
-        positions = []
-        for s in seqs:
-            p = nxt.get(s, self.lengths.get(s, 0))
-            positions.append(p)
-            nxt[s] = p + 1
-        if max(nxt.values(), default=0) > self.config.n_text_ctx:
-            raise InvalidArgumentError(
-                "seqs", list(seqs), f"sequences of at most {self.config.n_text_ctx} tokens"
-            )
-        for s in nxt:
-            if self.window(s) >= self.n_audio:
-                raise InvalidArgumentError(
-                    "seqs", s, f"a sequence whose window is < {self.n_audio}"
-                )
-        return Batch(positions, list(seqs))
-
-    def commit(self, batch: Batch) -> None:
-        """Advance the counters after a successful forward."""
-        for s, p in zip(batch.sequences, batch.positions, strict=True):
-            self.lengths[s] = max(self.lengths.get(s, 0), p + 1)
-
-    def copy_prefix(self, src: int, dst: int, length: int | None = None) -> None:
-        """``dst`` shares ``src``'s first ``length`` tokens (all by default) without copying K/V."""
-        n = self.length(src) if length is None else int_arg("length", length)
-        if n > self.length(src):
-            raise InvalidArgumentError(
-                "length", n, f"<= {self.length(src)} (tokens of sequence {src})"
-            )
-        window = self.window(src)
-        self.cache.copy_prefix(src, dst, n)
-        self.lengths[dst] = n
-        self.audio_of[dst] = window
-
-    def remove(self, seq: int) -> None:
-        """Free ``seq``'s cells (shared ones stay for their other users).
-
-        Only the causal cache is told: the cross K/V belong to the audio window, not to a
-        sequence (the encoder cache would otherwise drop them for every sequence).
-        """
-        self.self_attn.remove(int_arg("seq", seq), 0)
-        self.lengths.pop(seq, None)
-        self.audio_of.pop(seq, None)
-
-    def memory_usage_bytes(self) -> int:
-        return self.cache.memory_usage_bytes()
-
-    def close(self) -> None:
-        self.cache.close()
-
-
-# ---- cached decoding ---------------------------------------------------------------------
-def forward_decoder_step(
-    model: Whisper, tokens: Sequence[int] | torch.Tensor, seqs: Sequence[int], cache: WhisperKVCache
-) -> torch.Tensor:
-    """Logits [T, n_vocab] of T new tokens of several sequences in one forward.
-
-    Token i belongs to sequence ``seqs[i]``; a sequence's tokens take its next positions in
-    order (so a prompt can be fed in one call). On error the cache is unchanged.
-    """
-    cfg = model.config
-    ids = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)  # [T]
-    if ids.numel() != len(seqs) or ids.numel() == 0:
-        raise InvalidArgumentError(
-            "seqs", list(seqs), f"{ids.numel()} sequence ids, one per token (>= 1)"
-        )
-    if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
-        raise InvalidArgumentError("tokens", ids.tolist(), f"ids in 0..{cfg.n_vocab - 1}")
-    batch = cache.plan(seqs)
-    cache.cache.start_forward(batch)
-    cache.commit(batch)
-    with torch.inference_mode():
-        pos = torch.tensor(batch.positions, dtype=torch.int64)
-        x = model.token_emb[ids] + model.text_pos[pos]  # [T, n]
-        windows = [cache.window(s) for s in batch.sequences]
-        return _decode_layers(model, x, cache, windows)
-
-
-def _decode_layers(
-    model: Whisper, x: torch.Tensor, cache: WhisperKVCache, windows: list[int]
-) -> torch.Tensor:
-    cfg = model.config
-    h, t = cfg.n_text_head, x.shape[0]
-    scale = 1.0 / math.sqrt(cfg.n_text_state // h)
-    wrap = cache.cache
-    bias: torch.Tensor | None = None  # additive mask [T, L], built once for all layers
-    for layer, blk in enumerate(model.decoder):
-        q, k, v = blk.qkv(blk.attn_ln(x)).view(t, 3, h, -1).unbind(1)  # each [T, H, D]
-        wrap.set_layer_type(SELF)
-        keys, values, mask = wrap.update(layer, k, v)  # [L, H, D] views in cell order, [T, L]
-        if bias is None:
-            assert mask is not None, "the causal cache always returns a mask"
-            bias = torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf"))
-        x = x + blk.out(_cell_attention(q, keys, values, bias, scale))
-        wrap.set_layer_type(CROSS)
-        ck, cv, _ = wrap.get(layer)  # [A, H, S, D]
-        x = x + blk.cross_out(
-            _cross_attention(blk.cross_q(blk.cross_ln(x)).view(t, h, -1), ck, cv, windows, scale)
-        )
-        x = x + blk.fc2(F.gelu(blk.fc1(blk.mlp_ln(x))))
-    return F.linear(model.decoder_ln(x), model.token_emb)  # [T, n_vocab]: one matmul
-
-
-def _cell_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [T, H, D] over cells keys/values [L, H, D] (strided views, no copy) -> [T, H*D]."""
-    scores = torch.baddbmm(bias, q.transpose(0, 1), keys.permute(1, 2, 0), alpha=scale)  # [H, T, L]
-    out = torch.bmm(scores.softmax(-1), values.transpose(0, 1))  # [H, T, D]
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
-
-
-def _cross_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, windows: list[int], scale: float
-) -> torch.Tensor:
-    """q [T, H, D] over each row's window of keys/values [A, H, S, D] -> [T, H*D]."""
-    t = q.shape[0]
-    if len(set(windows)) == 1:  # one window (greedy, beams of one chunk): one batched matmul
-        w = windows[0]
-        return (
-            _dense_attention(q.transpose(0, 1), keys[w], values[w], scale)
-            .transpose(0, 1)
-            .reshape(t, -1)
-        )
-    out = torch.empty(t, q.shape[1] * q.shape[2], dtype=q.dtype)
-    for w in sorted(set(windows)):
-        rows = torch.tensor([i for i, x in enumerate(windows) if x == w])
-        qw = q[rows].transpose(0, 1)  # [H, t_w, D]
-        out[rows] = (
-            _dense_attention(qw, keys[w], values[w], scale).transpose(0, 1).reshape(len(rows), -1)
-        )
-    return out
-
-
-def _dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [H, T, D], k/v [H, S, D] -> [H, T, D] with no mask."""
-    return torch.bmm((torch.bmm(q, k.transpose(1, 2)) * scale).softmax(-1), v)
-
-
-def forward_decoder_cached(
-    model: Whisper, token: int | torch.Tensor, cache: WhisperKVCache, seq: int = 0
-) -> torch.Tensor:
-    """Logits [n_vocab] of one new token of ``seq`` at position ``cache.length(seq)``."""
-    ids = torch.as_tensor(token, dtype=torch.int64).reshape(-1)
-    if ids.numel() != 1:
-        raise InvalidArgumentError("token", token, "one token id")
-    return forward_decoder_step(model, ids, [seq], cache)[0]
 
 
 # ---- building models ---------------------------------------------------------------------

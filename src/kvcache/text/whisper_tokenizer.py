@@ -28,6 +28,8 @@ class SpecialTokens:
     sot: int
     no_timestamps: int
     timestamp_begin: int  # <|0.00|>
+    sot_prev: int | None = None  # <|startofprev|>: previous text follows (the prompt)
+    no_speech: int | None = None  # <|nospeech|> (<|nocaptions|> in English-only models)
 
 
 class WhisperTokenizer:
@@ -48,11 +50,14 @@ class WhisperTokenizer:
             name: self._id(name)
             for name in ("<|endoftext|>", "<|startoftranscript|>", "<|notimestamps|>")
         }
+        no_speech = self.tokenizer.token_to_id("<|nospeech|>")
         self.special = SpecialTokens(
             eot=ids["<|endoftext|>"],
             sot=ids["<|startoftranscript|>"],
             no_timestamps=ids["<|notimestamps|>"],
             timestamp_begin=ids["<|notimestamps|>"] + 1,
+            sot_prev=self._id("<|startofprev|>"),
+            no_speech=self._id("<|nocaptions|>") if no_speech is None else int(no_speech),
         )
 
     def _id(self, token: str) -> int:

@@ -1,0 +1,182 @@
+"""Quantized buffers with a recent window: rows stay in fp16 while they are among their
+sequence's newest, and are encoded when the cache's plan seals them (``kvcache.recent``).
+
+Layout beside a subclass's codes::
+
+    residual  fp16 [R, H, D]   rows of open cells, at slot ``windows.slot_of[cell]``; R is
+                               the number of slots in use (it grows and shrinks with them)
+    codes...  [N', ...]        allocated up to the highest encoded cell (N' <= N), so a cache
+                               whose rows all fit in their windows holds no codes at all
+
+Every row is rounded to fp16 before it is encoded, whether it was sealed at once (a long
+prompt) or after a stay in the window: a row's codes do not depend on when it was sealed.
+The slot and metadata maps are the bookkeeping's (shared by every layer, counted once by
+the cache, not here).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import numpy as np
+import torch
+
+from kvcache.codecs.base import Buffer, Layout, Locs, capacity, tensor_bytes
+from kvcache.recent import SealPlan, Windows
+
+RESIDUAL = torch.float16
+
+
+def cell_index(cells: Locs) -> np.ndarray:
+    """Cell ids of ``cells`` as an int64 numpy array."""
+    if isinstance(cells, slice):
+        return np.arange(cells.start, cells.stop, dtype=np.int64)
+    return cells.cpu().numpy().astype(np.int64, copy=False)
+
+
+class WindowedBuffer(Buffer):
+    """Codes plus the fp16 window rows of one layer's K or V (subclasses encode)."""
+
+    def __init__(
+        self, n: int, heads: int, dim: int, windows: Windows, device: torch.device
+    ) -> None:
+        self.n, self.heads, self.dim = n, heads, dim
+        self.windows = windows
+        self.spec = windows.spec
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        self.residual = torch.zeros((0, heads, dim), dtype=RESIDUAL, device=device)
+        self.rows = 0  # cells with codes allocated (the codes tensors' first dimension)
+
+    def index(self, a: np.ndarray) -> torch.Tensor:
+        """A numpy array as a tensor on the buffer's device (shared memory on the CPU)."""
+        t = torch.from_numpy(a)
+        return t if self.on_cpu else t.to(self.device)
+
+    # ---- what subclasses provide ----------------------------------------------------------
+    @abstractmethod
+    def _allocate(self, rows: int) -> None:
+        """Grow every per-cell code tensor to ``rows`` rows (keeping their contents)."""
+
+    def _fresh(self, meta: int, basis: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Set record ``meta`` from the rows ``basis`` [m, H, D] (codecs with records)."""
+
+    @abstractmethod
+    def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        """Encode rows ``x`` [n, H, D] (float32, fp16-exact) into ``cells`` [n], row i with
+        metadata record ``metas[i]`` (-1: none); one call encodes a whole seal plan."""
+
+    @abstractmethod
+    def _decode(self, cells: np.ndarray) -> torch.Tensor:
+        """Encoded rows of ``cells`` (all < self.rows) as float32 [n, H, D]."""
+
+    @abstractmethod
+    def _code_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of codes and metadata (for nbytes)."""
+
+    # ---- Buffer ---------------------------------------------------------------------------
+    def store(self, locs: torch.Tensor, x: torch.Tensor, plan: SealPlan | None) -> None:
+        new = cell_index(locs)
+        if plan is None:
+            plan = SealPlan.everything(new)
+        rows = x.to(RESIDUAL)  # [T, H, D]: what a window keeps, and what is encoded
+        values = rows.float()
+        if plan.groups:  # read every sealed row before a kept row reuses its slot
+            for group in plan.groups:
+                if group.fresh and len(group.basis):
+                    basis = self._rows(group.basis, group.basis_slots, new, values)
+                    self._fresh(group.meta, basis)
+            cells = np.concatenate([g.cells for g in plan.groups])
+            slots = np.concatenate([g.slots for g in plan.groups])
+            metas = np.concatenate([np.full(len(g.cells), g.meta) for g in plan.groups])
+            self._reserve(int(cells.max()) + 1)
+            at = self.index(cells)
+            self._encode(at, self._rows(cells, slots, new, values), metas)
+        self._fit_window()
+        if len(plan.keep):
+            idx = self.index(np.searchsorted(new, plan.keep))
+            kept = self.index(plan.keep_slots.astype(np.int64))
+            self.residual.index_copy_(0, kept, rows.index_select(0, idx))
+
+    def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
+        idx = cell_index(cells)
+        slots = self.windows.slot_of[idx]
+        rows = x.to(RESIDUAL)
+        open_ = slots >= 0
+        if open_.any():
+            at = self.index(slots[open_].astype(np.int64))
+            self.residual.index_copy_(0, at, rows[self.index(open_)])
+        coded = ~open_
+        if coded.any():
+            sel = self.index(coded)
+            self._reencode(idx[coded], rows[sel].float())
+
+    def _reencode(self, cells: np.ndarray, x: torch.Tensor) -> None:
+        """Encode new rows into sealed cells with the metadata they already have."""
+        at = self.index(cells)
+        self._encode(at, x, self.windows.meta_of[cells])
+
+    def decode(self, cells: Locs, dtype: torch.dtype) -> torch.Tensor:
+        idx = cell_index(cells)
+        out = torch.zeros((len(idx), self.heads, self.dim), dtype=torch.float32, device=self.device)
+        slots = self.windows.slot_of[idx]
+        open_ = slots >= 0
+        coded = ~open_ & (idx < self.rows)  # neither: a free cell never encoded (zeros)
+        if coded.any():
+            out[self.index(coded)] = self._decode(idx[coded])
+        if open_.any():
+            at = self.index(slots[open_].astype(np.int64))
+            out[self.index(open_)] = self.residual[at].float()
+        return out.to(dtype)
+
+    def window_layout(self, layout: Layout) -> Layout:
+        """``layout`` with this buffer's window (slot map and rows) filled in."""
+        layout.window = torch.from_numpy(self.windows.slot_of)
+        layout.residual = self.residual
+        return layout
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.residual, *self._code_tensors())
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _rows(
+        self, cells: np.ndarray, slots: np.ndarray, new: np.ndarray, values: torch.Tensor
+    ) -> torch.Tensor:
+        """float32 rows [n, H, D] of ``cells``: this forward's (slot -1) or a window slot's."""
+        out = torch.empty((len(cells), self.heads, self.dim), device=self.device)
+        fresh = slots < 0
+        if fresh.any():
+            pos = np.searchsorted(new, cells[fresh])
+            assert np.array_equal(new[pos], cells[fresh]), f"cells {cells[fresh]} not new"
+            out[self.index(fresh)] = values[self.index(pos)]
+        if (~fresh).any():
+            at = self.index(slots[~fresh].astype(np.int64))
+            out[self.index(~fresh)] = self.residual[at].float()
+        return out
+
+    def _reserve(self, rows: int) -> None:
+        if rows > self.rows:
+            rows = capacity(rows, self.rows, self.n)
+            self._allocate(rows)
+            self.rows = rows
+
+    def _fit_window(self) -> None:
+        """Window rows for every slot in use; shrunk when half of it is free."""
+        want = self.windows.slots
+        have = self.residual.shape[0]
+        if want > have or want < have // 2:
+            rows = want if want < have else capacity(want, have, self.n, step=16)
+            out = torch.zeros((rows, self.heads, self.dim), dtype=RESIDUAL, device=self.device)
+            keep = min(rows, have)
+            out[:keep] = self.residual[:keep]
+            self.residual = out
+
+    def meta_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` [M, ...] grown to the bookkeeping's number of metadata records."""
+        need = self.windows.meta_capacity()
+        if t.shape[0] >= need:
+            return t
+        out = torch.zeros((capacity(need, t.shape[0], 1 << 30, step=8), *t.shape[1:]),
+                          dtype=t.dtype, device=t.device)  # fmt: skip
+        out[: t.shape[0]] = t
+        return out

@@ -1,0 +1,5 @@
+"""``python -m kvcache.kernels``: build the C++ attention kernels now (scripts/setup.sh does)."""
+
+from kvcache.kernels.build import extension
+
+print(f"[setup] kvcache kernels: {extension().__file__}")

@@ -1,0 +1,135 @@
+"""Attention of a forward's rows over their own sequences' cells, straight from the codes.
+
+``attend`` runs an :class:`~kvcache.kernels.plan.AttentionPlan` for one layer: the C++
+kernel computes partial softmax sums of the decode-sized segments from the stored codes
+(dequantizing tile by tile, RoPE of keys stored before it applied from cos/sin tables); the
+prompt-sized segments go through torch's fused CPU flash kernel over decoded tiles of at
+most ``TILE_CELLS`` cells, whose log-sum-exp makes their partial sums; a last pass merges
+every row's partial sums. Turbo values are summed in their rotated domain and rotated back
+once per output row.
+
+    q [T, Hq, D] (query head hq reads KV head hq // G)  ->  out [T, Hq, D] float32
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.codecs.base import Layout
+from kvcache.kernels.build import extension
+from kvcache.kernels.plan import AttentionPlan, Tile
+
+TILE_CELLS = 2048  # cells decoded at a time by the tile path
+_NEG_INF = float("-inf")
+_EMPTY = torch.empty(0)
+
+
+def layout_args(layout: Layout, pre_rope: bool) -> tuple[list[torch.Tensor], list[int]]:
+    """A Layout as the kernel's (tensors, ints) (order: csrc/readers.h, Slot and IntSlot)."""
+    tensors = [
+        layout.data,
+        layout.scale,
+        layout.low,
+        layout.meta_of,
+        layout.meta_a,
+        layout.meta_b,
+        layout.window,
+        layout.residual,
+        layout.centroids,
+        layout.signs,
+    ]
+    ints = [
+        layout.kind,
+        layout.bits,
+        layout.group,
+        int(layout.log_scale),
+        int(pre_rope),
+        int(layout.rotated),
+    ]
+    return tensors, ints
+
+
+def attend(
+    q: torch.Tensor,
+    plan: AttentionPlan,
+    keys: Layout,
+    values: Layout,
+    *,
+    kv_heads: int,
+    scale: float,
+    pre_rope: bool,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Attention output [T, Hq, D] float32 of queries ``q`` [T, Hq, D] (see module doc);
+    ``rope``: cos, sin float32 [P, D/2] for positions < P (keys stored before RoPE)."""
+    ext = extension()
+    t, hq, d = q.shape
+    q32 = q.to(torch.float32).contiguous()
+    k_args = layout_args(keys, pre_rope)
+    v_args = layout_args(values, False)
+    cos, sin = rope if rope is not None else (_EMPTY, _EMPTY)
+    common = (q32, plan.cells, plan.pos, plan.segs, plan.entries, *k_args, *v_args, kv_heads)
+    if not plan.tiles:  # decode steps: one call computes and merges
+        out, outr = ext.attend(*common, cos, sin, scale, plan.row_ptr, plan.row_entries)
+    else:
+        pm, pl, pacc, paccr = ext.partials(*common, cos, sin, scale)
+        for tile in plan.tiles:
+            m, acc = _tile(ext, q32, plan, tile, k_args, v_args, kv_heads, scale, cos, sin)
+            pm[tile.entries], pl[tile.entries], pacc[tile.entries] = m, 1.0, acc
+            if values.rotated:
+                paccr[tile.entries] = 0.0  # the tile path sums plain rows
+        out, outr = ext.merge(pm, pl, pacc, paccr, plan.row_ptr, plan.row_entries)
+    if values.rotated:  # turbo values: sum_j w_j R^T c_j = R^T sum_j w_j c_j, per KV head
+        g = hq // kv_heads
+        back = values.rotation  # [Hkv, D, P]: x = y @ rotation[h].T
+        out += torch.einsum("thgp,hdp->thgd", outr.view(t, kv_heads, g, d), back).reshape(t, hq, d)
+    return out
+
+
+def _tile(
+    ext: object,
+    q: torch.Tensor,
+    plan: AttentionPlan,
+    tile: Tile,
+    k_args: tuple[list[torch.Tensor], list[int]],
+    v_args: tuple[list[torch.Tensor], list[int]],
+    kv_heads: int,
+    scale: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial sums (m [e, Hq], acc [e, Hq, D] with l = 1) of a prompt-sized segment."""
+    ent = plan.entries[torch.from_numpy(tile.entries)]  # [e, 3]: row, lo, hi
+    rows, lo, hi = ent[:, 0], ent[:, 1], ent[:, 2]
+    e = len(rows)
+    _, hq, d = q.shape
+    g = hq // kv_heads
+    # qt: [1, Hkv, e*G, D], row (entry i, group head j) at i*G + j
+    qt = q[rows].view(e, kv_heads, g, d).transpose(0, 1).reshape(1, kv_heads, e * g, d)
+    m_run = torch.full((e, hq), _NEG_INF)
+    acc_run = torch.zeros((e, hq, d))
+    for start in range(0, len(tile.cells), TILE_CELLS):
+        cells = torch.from_numpy(tile.cells[start : start + TILE_CELLS]).to(torch.int32)
+        pos = torch.from_numpy(tile.pos[start : start + TILE_CELLS]).to(torch.int32)
+        k = ext.gather(cells, pos, *k_args, kv_heads, d, cos, sin)  # type: ignore[attr-defined]
+        v = ext.gather(cells, pos, *v_args, kv_heads, d, cos, sin)  # type: ignore[attr-defined]
+        p = pos.to(torch.int64)
+        visible = (p[None, :] >= lo[:, None]) & (p[None, :] <= hi[:, None])  # [e, n]
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, _NEG_INF)
+        mask = mask.repeat_interleave(g, dim=0)  # [e*G, n]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qt, k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, False,
+            attn_mask=mask, scale=scale,
+        )  # fmt: skip
+        # out [1, Hkv, e*G, D] -> [e, Hq, D]; lse likewise; rows that saw nothing: -inf
+        out = out[0].view(kv_heads, e, g, d).transpose(0, 1).reshape(e, hq, d)
+        lse = lse[0].view(kv_heads, e, g).transpose(0, 1).reshape(e, hq)
+        lse = lse.masked_fill(~visible.any(dim=1)[:, None], _NEG_INF)
+        m_new = torch.maximum(m_run, lse)
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        w_old, w_new = torch.exp(m_run - safe), torch.exp(lse - safe)
+        total = w_old + w_new
+        denom = torch.where(total > 0, total, torch.ones_like(total))
+        acc_run = (acc_run * w_old[..., None] + out * w_new[..., None]) / denom[..., None]
+        m_run = torch.where(total > 0, safe + torch.log(denom), m_new)
+    return m_run, acc_run

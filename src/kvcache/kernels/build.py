@@ -1,0 +1,72 @@
+"""Build and load the C++ attention kernels (``csrc/``) with torch's extension builder.
+
+The extension is compiled once per machine (``-O3 -march=native``: AVX2/FMA/F16C where the
+CPU has them, plain loops otherwise) into ``$KVCACHE_KERNEL_DIR`` (default
+``~/.cache/kvcache/kernels``), under a name that hashes the sources, the flags and the torch
+version, so a changed source or another torch builds anew. ``scripts/setup.sh`` builds it
+(``python -m kvcache.kernels``);
+otherwise the first attention call does (about a minute), never a timed step after that.
+It runs on torch's intra-op thread pool (``at::parallel_for``): ``torch.set_num_threads``
+sets its threads too.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvcache.errors import NotSupportedError
+
+SOURCES = ("attention.cpp", "readers.cpp")
+HEADERS = ("readers.h", "simd.h", "tiles.h")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math")
+
+
+def _source_dir() -> Path:
+    return Path(__file__).resolve().parent / "csrc"
+
+
+def _build_name() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((_source_dir() / name).read_bytes())
+    h.update(" ".join(FLAGS).encode())
+    h.update(torch.__version__.encode())
+    return f"kvcache_kernels_{h.hexdigest()[:12]}"
+
+
+def build_dir() -> Path:
+    root = os.environ.get("KVCACHE_KERNEL_DIR") or Path.home() / ".cache" / "kvcache" / "kernels"
+    return Path(root) / _build_name()
+
+
+@functools.cache
+def extension() -> ModuleType:
+    """The compiled kernels (built on first use; NotSupportedError if that fails)."""
+    from torch.utils.cpp_extension import load
+
+    where = build_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    # torch runs `ninja` from PATH: the pip-installed one sits beside this interpreter
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        return load(
+            name=_build_name(),
+            sources=[str(_source_dir() / s) for s in SOURCES],
+            extra_cflags=list(FLAGS),
+            build_directory=str(where),
+            verbose=bool(os.environ.get("KVCACHE_KERNEL_VERBOSE")),
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        raise NotSupportedError(
+            f"the kvcache attention kernels did not build in {where} ({e}); they need g++ "
+            "and ninja (bash scripts/setup.sh installs them)"
+        ) from e

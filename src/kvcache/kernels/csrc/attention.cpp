@@ -1,0 +1,377 @@
+// Attention over a plan of segments, straight from a cell cache's stored codes.
+//
+// A plan (built by src/kvcache/kernels/plan.py, once per forward, shared by every layer):
+//   cells [C] int32, pos [C] int32   cell ids and their positions, each segment's run sorted
+//                                    by position (a canonical read order)
+//   segs  [S, 4] int64               cell_begin, cell_end, entry_begin, entry_end
+//   entries [E, 3] int64             batch row, lowest and highest visible position
+//   row_ptr [T + 1], row_entries [E] the entries of each batch row (CSR)
+// A segment is a run of cells read once for all its entries: one sequence's cells for its
+// rows, or a shared prefix for the rows of every sequence that shares it. Work items are
+// (segment, KV head); each keeps, per entry and query head of the group, a running max, sum
+// and weighted value sum over tiles of BLK cells; a second pass merges a row's entries.
+//
+//   q [T, Hq, D] float32 (query head hq reads KV head hq / G)   ->   out [T, Hq, Dv] float32
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "readers.h"
+#include "tiles.h"
+
+namespace kvk {
+
+namespace {
+
+struct Plan {
+  const int32_t* cells;
+  const int32_t* pos;
+  const int64_t* segs;
+  const int64_t* entries;
+  int64_t S, E;
+};
+
+struct Partials {
+  float* m;     // [E, Hq]
+  float* l;     // [E, Hq]
+  float* acc;   // [E, Hq, Dv]
+  float* accr;  // [E, Hq, Dv] rotated-domain sums (nullptr unless V is rotated)
+};
+
+struct Scratch {
+  std::vector<float> q, m, l, acc, accr, sc, ktile, vtile;
+  std::vector<const float*> krows, vrows;
+  std::vector<uint8_t> kdom, vdom;
+  std::vector<int> ja, jb;
+};
+
+// One segment, every KV head: per tile of cells, each head's keys (decoded), scores, softmax
+// update, values. Heads inside the tile loop read each cell's row [H, D] in one stream.
+void attend_item(const Plan& plan, int64_t s, const float* q, int64_t Hq, int64_t H,
+                 const Reader& kr, const Reader& vr, const Rope& rope, float scale,
+                 const Partials& out, Scratch& w) {
+  const int64_t* seg = plan.segs + s * 4;
+  const int64_t c0 = seg[0], c1 = seg[1], e0 = seg[2], e1 = seg[3];
+  const int64_t G = Hq / H, ne = e1 - e0, R = ne * G, D = kr.D, Dv = vr.D;
+  // state of head h, entry e, group head g at row (h * ne + e) * G + g
+  w.q.resize(H * R * D);
+  w.m.assign(H * R, -std::numeric_limits<float>::infinity());
+  w.l.assign(H * R, 0.f);
+  w.acc.assign(H * R * Dv, 0.f);
+  if (vr.rotated) w.accr.assign(H * R * Dv, 0.f);
+  w.sc.resize(R * BLK);
+  w.ja.resize(ne);
+  w.jb.resize(ne);
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t e = 0; e < ne; ++e) {
+      const int64_t row = plan.entries[(e0 + e) * 3];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = q + (row * Hq + h * G + g) * D;
+        float* dst = w.q.data() + ((h * ne + e) * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
+      }
+    }
+  }
+  for (int64_t b0 = c0; b0 < c1; b0 += BLK) {
+    const int n = (int)std::min<int64_t>(BLK, c1 - b0);
+    const int32_t* cells = plan.cells + b0;
+    const int32_t* pos = plan.pos + b0;
+    int a = n, b = 0;
+    for (int64_t e = 0; e < ne; ++e) {  // visible cells of each entry: a run (sorted positions)
+      const int64_t* ent = plan.entries + (e0 + e) * 3;
+      const int32_t lo = (int32_t)std::max<int64_t>(ent[1], INT32_MIN);
+      const int32_t hi = (int32_t)std::min<int64_t>(ent[2], INT32_MAX);
+      const int ja = (int)(std::lower_bound(pos, pos + n, lo) - pos);
+      const int jb = (int)(std::upper_bound(pos, pos + n, hi) - pos);
+      w.ja[e] = ja;
+      w.jb[e] = std::max(ja, jb);
+      if (ja < jb) {
+        a = std::min(a, ja);
+        b = std::max(b, jb);
+      }
+    }
+    if (a >= b) continue;
+    if (b0 + BLK < c1) {  // the next tile's rows, while this one is computed
+      const int m = (int)std::min<int64_t>(BLK, c1 - b0 - BLK);
+      prefetch(kr, cells + BLK, m);
+      prefetch(vr, cells + BLK, m);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
+      for (int64_t e = 0; e < ne; ++e) {
+        const int ja = w.ja[e], jb = w.jb[e];
+        if (ja >= jb) continue;
+        const int64_t r0 = (h * ne + e) * G;
+        qk_rows(w.q.data() + r0 * D, (int)G, w.krows.data(), ja, jb, (int)D,
+                w.sc.data() + e * G * BLK);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = r0 + g;
+          float* sc = w.sc.data() + (e * G + g) * BLK;
+          float bm = w.m[r];
+          for (int j = ja; j < jb; ++j) bm = std::max(bm, sc[j]);
+          if (bm > w.m[r]) {
+            const float f = std::exp(w.m[r] - bm);  // 0 when the old max is -inf
+            w.l[r] *= f;
+            scale_row(f, w.acc.data() + r * Dv, (int)Dv);
+            if (vr.rotated) scale_row(f, w.accr.data() + r * Dv, (int)Dv);
+            w.m[r] = bm;
+          }
+          w.l[r] += exp_shift_sum(sc + ja, jb - ja, bm);
+        }
+      }
+      decode(vr, h, cells, pos, a, b, w.vtile.data(), w.vrows.data(), w.vdom.data(), rope);
+      bool rotated = false;
+      for (int j = a; j < b; ++j) rotated = rotated || w.vdom[j];
+      for (int64_t e = 0; e < ne; ++e) {
+        const int ja = w.ja[e], jb = w.jb[e];
+        if (ja >= jb) continue;
+        const int64_t r0 = (h * ne + e) * G;
+        if (!rotated) {
+          pv_rows(w.sc.data() + e * G * BLK, (int)G, w.vrows.data(), ja, jb, (int)Dv,
+                  w.acc.data() + r0 * Dv);
+          continue;
+        }
+        for (int j = ja; j < jb; ++j) {  // turbo values: codes summed in the rotated domain
+          float* dst = (w.vdom[j] ? w.accr.data() : w.acc.data()) + r0 * Dv;
+          for (int64_t g = 0; g < G; ++g)
+            axpy(w.sc[(e * G + g) * BLK + j], w.vrows[j], dst + g * Dv, (int)Dv);
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t e = 0; e < ne; ++e) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = (h * ne + e) * G + g, o = (e0 + e) * Hq + h * G + g;
+        out.m[o] = w.m[r];
+        out.l[o] = w.l[r];
+        std::memcpy(out.acc + o * Dv, w.acc.data() + r * Dv, (size_t)Dv * 4);
+        if (out.accr != nullptr) std::memcpy(out.accr + o * Dv, w.accr.data() + r * Dv, (size_t)Dv * 4);
+      }
+    }
+  }
+}
+
+// out[row] = sum_e exp(m_e - M) acc_e / sum_e exp(m_e - M) l_e over the row's entries
+void merge_rows(const Partials& p, const int64_t* row_ptr, const int64_t* row_entries, int64_t T,
+                int64_t Hq, int64_t Dv, float* out, float* outr) {
+  at::parallel_for(0, T * Hq, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / Hq, hq = item % Hq;
+      float* o = out + item * Dv;
+      float* orot = outr != nullptr ? outr + item * Dv : nullptr;
+      std::fill(o, o + Dv, 0.f);
+      if (orot != nullptr) std::fill(orot, orot + Dv, 0.f);
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t k = row_ptr[t]; k < row_ptr[t + 1]; ++k)
+        M = std::max(M, p.m[row_entries[k] * Hq + hq]);
+      if (M == -std::numeric_limits<float>::infinity()) continue;  // sees nothing: zeros
+      float L = 0.f;
+      for (int64_t k = row_ptr[t]; k < row_ptr[t + 1]; ++k) {
+        const int64_t i = row_entries[k] * Hq + hq;
+        const float f = std::exp(p.m[i] - M);
+        if (f == 0.f) continue;
+        L += f * p.l[i];
+        axpy(f, p.acc + i * Dv, o, (int)Dv);
+        if (orot != nullptr) axpy(f, p.accr + i * Dv, orot, (int)Dv);
+      }
+      scale_row(1.f / L, o, (int)Dv);
+      if (orot != nullptr) scale_row(1.f / L, orot, (int)Dv);
+    }
+  });
+}
+
+void check_int(const at::Tensor& t, at::ScalarType type, int64_t dim, const char* name) {
+  TORCH_CHECK(t.scalar_type() == type && t.dim() == dim && t.is_contiguous(), "kvcache kernel: ",
+              name, " must be a contiguous ", dim, "-d ", c10::toString(type), " tensor");
+}
+
+void check_float(const at::Tensor& t, std::vector<int64_t> shape, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == shape,
+              "kvcache kernel: ", name, " must be a contiguous float32 tensor of shape ", shape);
+}
+
+Rope rope_of(const Reader& kr, const at::Tensor& cos, const at::Tensor& sin) {
+  Rope rope;
+  if (!kr.pre_rope) return rope;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == kr.D / 2 &&
+                  sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous(),
+              "kvcache kernel: RoPE tables must be float32 [P, D/2]");
+  rope.cos = cos.data_ptr<float>();
+  rope.sin = sin.data_ptr<float>();
+  rope.count = cos.size(0);
+  return rope;
+}
+
+
+// Everything a partial-sums pass needs, validated once.
+struct Pass {
+  Plan plan;
+  Reader kr, vr;
+  Rope rope;
+  const float* q;
+  int64_t T, Hq, D, H;
+  float scale;
+};
+
+Pass prepare(const at::Tensor& q, const at::Tensor& cells, const at::Tensor& pos,
+             const at::Tensor& segs, const at::Tensor& entries,
+             const std::vector<at::Tensor>& k_tensors, const std::vector<int64_t>& k_ints,
+             const std::vector<at::Tensor>& v_tensors, const std::vector<int64_t>& v_ints,
+             int64_t kv_heads, const at::Tensor& cos, const at::Tensor& sin, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
+              "kvcache kernel: q must be a contiguous float32 [T, Hq, D] tensor");
+  check_int(cells, at::kInt, 1, "cells");
+  check_int(pos, at::kInt, 1, "pos");
+  check_int(segs, at::kLong, 2, "segs");
+  check_int(entries, at::kLong, 2, "entries");
+  TORCH_CHECK(cells.size(0) == pos.size(0), "kvcache kernel: cells and pos differ in length");
+  const int64_t Hq = q.size(1), D = q.size(2), E = entries.size(0), S = segs.size(0);
+  TORCH_CHECK(kv_heads > 0 && Hq % kv_heads == 0, "kvcache kernel: Hq % kv_heads != 0");
+  const int64_t* sg = segs.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(sg[s * 4] >= 0 && sg[s * 4] <= sg[s * 4 + 1] && sg[s * 4 + 1] <= cells.size(0) &&
+                    sg[s * 4 + 2] >= 0 && sg[s * 4 + 2] <= sg[s * 4 + 3] && sg[s * 4 + 3] <= E,
+                "kvcache kernel: segment ", s, " out of range");
+  const int64_t* en = entries.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(en[e * 3] >= 0 && en[e * 3] < q.size(0), "kvcache kernel: entry row out of range");
+  Pass p;
+  p.plan = Plan{cells.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), sg, en, S, E};
+  p.kr = make_reader(k_tensors, k_ints, kv_heads, D);
+  p.vr = make_reader(v_tensors, v_ints, kv_heads, D);  // values: the same head_dim
+  p.rope = rope_of(p.kr, cos, sin);
+  p.q = q.data_ptr<float>();
+  p.T = q.size(0), p.Hq = Hq, p.D = D, p.H = kv_heads;
+  p.scale = (float)scale;
+  return p;
+}
+
+void run(const Pass& p, const Partials& part) {
+  at::parallel_for(0, p.plan.S, 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch w;  // kept between calls: no allocation in a decode step
+    w.ktile.resize(BLK * p.D);
+    w.vtile.resize(BLK * p.D);
+    w.krows.resize(BLK);
+    w.vrows.resize(BLK);
+    w.kdom.resize(BLK);
+    w.vdom.resize(BLK);
+    for (int64_t item = begin; item < end; ++item)
+      attend_item(p.plan, item, p.q, p.Hq, p.H, p.kr, p.vr, p.rope, p.scale, part, w);
+  });
+}
+
+std::vector<at::Tensor> partial_tensors(const Pass& p) {
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  const int64_t E = p.plan.E;
+  return {at::empty({E, p.Hq}, opts), at::empty({E, p.Hq}, opts), at::empty({E, p.Hq, p.D}, opts),
+          p.vr.rotated ? at::zeros({E, p.Hq, p.D}, opts) : at::empty({0}, opts)};
+}
+
+Partials partials_of(std::vector<at::Tensor>& t) {
+  return Partials{t[0].data_ptr<float>(), t[1].data_ptr<float>(), t[2].data_ptr<float>(),
+                  t[3].numel() ? t[3].data_ptr<float>() : nullptr};
+}
+
+}  // namespace
+
+// Partial sums (m, l [E, Hq], acc [E, Hq, D], accr: rotated-domain value sums, empty unless
+// the value codec sums there) of every segment's entries; the caller adds the partial sums of
+// prompt tiles and merges (merge below).
+std::vector<at::Tensor> partials(const at::Tensor& q, const at::Tensor& cells,
+                                 const at::Tensor& pos, const at::Tensor& segs,
+                                 const at::Tensor& entries,
+                                 const std::vector<at::Tensor>& k_tensors,
+                                 const std::vector<int64_t>& k_ints,
+                                 const std::vector<at::Tensor>& v_tensors,
+                                 const std::vector<int64_t>& v_ints, int64_t kv_heads,
+                                 const at::Tensor& cos, const at::Tensor& sin, double scale) {
+  const Pass p = prepare(q, cells, pos, segs, entries, k_tensors, k_ints, v_tensors, v_ints,
+                         kv_heads, cos, sin, scale);
+  std::vector<at::Tensor> t = partial_tensors(p);
+  run(p, partials_of(t));
+  return t;
+}
+
+// out [T, Hq, D] (and outr, the rotated-domain part, when accr is given): each row's entries
+// merged; a row that sees nothing is zeros.
+std::vector<at::Tensor> merge(const at::Tensor& pm, const at::Tensor& pl, const at::Tensor& pacc,
+                              const at::Tensor& paccr, const at::Tensor& row_ptr,
+                              const at::Tensor& row_entries) {
+  check_int(row_ptr, at::kLong, 1, "row_ptr");
+  check_int(row_entries, at::kLong, 1, "row_entries");
+  const int64_t E = pm.size(0), Hq = pm.size(1), D = pacc.size(2), T = row_ptr.size(0) - 1;
+  check_float(pl, {E, Hq}, "l");
+  check_float(pacc, {E, Hq, D}, "acc");
+  const bool rot = paccr.numel() > 0;
+  if (rot) check_float(paccr, {E, Hq, D}, "accr");
+  const int64_t* rp = row_ptr.data_ptr<int64_t>();
+  const int64_t* re = row_entries.data_ptr<int64_t>();
+  TORCH_CHECK(rp[0] == 0 && rp[T] == row_entries.size(0), "kvcache kernel: bad row_ptr");
+  for (int64_t k = 0; k < row_entries.size(0); ++k)
+    TORCH_CHECK(re[k] >= 0 && re[k] < E, "kvcache kernel: row entry out of range");
+  Partials part{pm.data_ptr<float>(), pl.data_ptr<float>(), pacc.data_ptr<float>(),
+                rot ? paccr.data_ptr<float>() : nullptr};
+  at::Tensor out = at::empty({T, Hq, D}, pacc.options());
+  at::Tensor outr = rot ? at::empty({T, Hq, D}, pacc.options()) : at::empty({0}, pacc.options());
+  merge_rows(part, rp, re, T, Hq, D, out.data_ptr<float>(), rot ? outr.data_ptr<float>() : nullptr);
+  return {out, outr};
+}
+
+// Partial sums and their merge in one call (a forward without prompt tiles): out, outr.
+std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& cells, const at::Tensor& pos,
+                               const at::Tensor& segs, const at::Tensor& entries,
+                               const std::vector<at::Tensor>& k_tensors,
+                               const std::vector<int64_t>& k_ints,
+                               const std::vector<at::Tensor>& v_tensors,
+                               const std::vector<int64_t>& v_ints, int64_t kv_heads,
+                               const at::Tensor& cos, const at::Tensor& sin, double scale,
+                               const at::Tensor& row_ptr, const at::Tensor& row_entries) {
+  std::vector<at::Tensor> t = partials(q, cells, pos, segs, entries, k_tensors, k_ints, v_tensors,
+                                       v_ints, kv_heads, cos, sin, scale);
+  return merge(t[0], t[1], t[2], t[3], row_ptr, row_entries);
+}
+
+// Decoded rows of `cells` (keys stored before RoPE rotated back): [n, H, D] float32.
+at::Tensor gather(const at::Tensor& cells, const at::Tensor& pos,
+                  const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints,
+                  int64_t heads, int64_t dim, const at::Tensor& cos, const at::Tensor& sin) {
+  check_int(cells, at::kInt, 1, "cells");
+  check_int(pos, at::kInt, 1, "pos");
+  const Reader r = make_reader(tensors, ints, heads, dim);
+  const Rope rope = rope_of(r, cos, sin);
+  const int64_t n = cells.size(0);
+  TORCH_CHECK(pos.size(0) == n, "kvcache kernel: cells and pos differ in length");
+  at::Tensor out = at::empty({n, heads, dim}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int32_t* c = cells.data_ptr<int32_t>();
+  const int32_t* p = pos.data_ptr<int32_t>();
+  at::parallel_for(0, (n + BLK - 1) / BLK * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(BLK * dim);
+    std::vector<const float*> rows(BLK);
+    std::vector<uint8_t> dom(BLK);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t blk = item / heads, h = item % heads, b0 = blk * BLK;
+      const int m = (int)std::min<int64_t>(BLK, n - b0);
+      decode(r, h, c + b0, p + b0, 0, m, tile.data(), rows.data(), dom.data(), rope);
+      for (int j = 0; j < m; ++j) {
+        float* dst = o + ((b0 + j) * heads + h) * dim;
+        std::memcpy(dst, rows[j], (size_t)dim * 4);
+        if (dom[j]) turbo_unrotate(r.signs + h * dim, dst, dim);  // turbo values: plain rows
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace kvk
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &kvk::attend, "attention over plan segments from the codes, merged per row");
+  m.def("partials", &kvk::partials, "attention partial sums over plan segments, from the codes");
+  m.def("merge", &kvk::merge, "merge each row's partial sums");
+  m.def("gather", &kvk::gather, "decoded rows of cells");
+}

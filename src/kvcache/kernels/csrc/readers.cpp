@@ -1,0 +1,451 @@
+// Codec readers (see readers.h; the layouts are kvcache.codecs.base.Layout's).
+//
+// One decoder per codec kind, chosen once per tile; per-sequence metadata rows (key centres,
+// KIVI channel ranges) are converted to float once and reused while consecutive cells share
+// them (a sequence's cells, read in position order, change record once per group).
+#include "readers.h"
+
+#include <cmath>
+
+namespace kvk {
+
+namespace {
+
+template <typename T>
+const T* ptr(const at::Tensor& t) {
+  return t.numel() ? reinterpret_cast<const T*>(t.data_ptr()) : nullptr;
+}
+
+// turbo's log-coded norms: code 0 = 0, code c = 2^((c - 1) / 8 - 16)
+inline float log_scale_value(uint8_t c) {
+  return c == 0 ? 0.f : std::exp2((float)(c - 1) / 8.f - 16.f);
+}
+
+inline void apply_rope(const Rope& rope, int64_t pos, float* x, int64_t D) {
+  TORCH_CHECK(pos >= 0 && pos < rope.count, "kvcache kernel: position ", pos,
+              " outside the RoPE tables (", rope.count, ")");
+  const int64_t half = D / 2;
+  const float* c = rope.cos + pos * half;
+  const float* s = rope.sin + pos * half;
+#if KVK_AVX2
+  for (int64_t i = 0; i < half; i += 8) {
+    __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+    __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+    _mm256_storeu_ps(x + i, _mm256_fnmadd_ps(x2, sv, _mm256_mul_ps(x1, cv)));
+    _mm256_storeu_ps(x + half + i, _mm256_fmadd_ps(x1, sv, _mm256_mul_ps(x2, cv)));
+  }
+#else
+  for (int64_t i = 0; i < half; ++i) {
+    float x1 = x[i], x2 = x[half + i];
+    x[i] = x1 * c[i] - x2 * s[i];
+    x[half + i] = x2 * c[i] + x1 * s[i];
+  }
+#endif
+}
+
+// A metadata record's rows [D] converted to float, kept while cells share the record.
+struct Record {
+  int32_t meta = -1;
+  float a[256], b[256];
+
+  // record of cell c (head h) from tables a (and b): float rows, converted on a change
+  void load(const Reader& r, int64_t c, int64_t h, const uint16_t* ta, const uint16_t* tb) {
+    const int32_t m = r.meta_of[c];
+    if (m == meta) return;
+    TORCH_CHECK(m >= 0 && m < r.meta_rows, "kvcache kernel: cell ", c, " has no metadata (", m,
+                ")");
+    half_row(ta + (m * r.H + h) * r.D, a, (int)r.D);
+    if (tb != nullptr) half_row(tb + (m * r.H + h) * r.D, b, (int)r.D);
+    meta = m;
+  }
+};
+
+// ---- unpacking -------------------------------------------------------------------------
+// b-bit codes (code i at bits [i*b, (i+1)*b) of the row, little-endian; b divides 8 here)
+// of 8 consecutive channels starting at channel i -> 8 integers in an AVX2 register
+// the 64-bit word whose low 8 * BITS bits are the codes of channels [i, i + 8) of a row of
+// `width` bytes: one unaligned load, never past the row (the last group loads backwards)
+template <int BITS>
+inline uint64_t word8(const uint8_t* row, int64_t i, int64_t width) {
+  const int64_t off = i * BITS / 8;  // 8 codes = BITS bytes
+  uint64_t w;
+  if (off + 8 <= width) {
+    std::memcpy(&w, row + off, 8);
+    return w;
+  }
+  std::memcpy(&w, row + off + BITS - 8, 8);
+  return w >> (8 * (8 - BITS));
+}
+
+#if KVK_AVX2
+template <int BITS>
+inline __m256i codes8(const uint8_t* row, int64_t i, int64_t width) {
+  const uint64_t w = word8<BITS>(row, i, width);
+  const __m256i sh_lo = _mm256_set_epi64x(3 * BITS, 2 * BITS, BITS, 0);
+  const __m256i sh_hi = _mm256_set_epi64x(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS);
+  const __m256i mask = _mm256_set1_epi64x((1 << BITS) - 1);
+  const __m256i wv = _mm256_set1_epi64x((long long)w);
+  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(wv, sh_lo), mask);  // 4 x 64-bit
+  const __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(wv, sh_hi), mask);
+  // lanes (32-bit): lo0 0 lo1 0 lo2 0 lo3 0 | hi in the odd lanes -> lo0 hi0 lo1 hi1 ...
+  const __m256i mixed = _mm256_blend_epi32(lo, _mm256_slli_epi64(hi, 32), 0xAA);
+  return _mm256_permutevar8x32_epi32(mixed, _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
+}
+#endif
+
+template <int BITS>
+inline int code_at(const uint8_t* row, int64_t i) {
+  const int64_t bit = i * BITS;
+  uint32_t w = row[bit / 8];
+  if (bit % 8 + BITS > 8) w |= (uint32_t)row[bit / 8 + 1] << 8;
+  return (int)((w >> (bit % 8)) & ((1u << BITS) - 1));
+}
+
+// out[0:D] = codes as floats (0 .. 2^BITS - 1), for BITS in {2, 4}
+template <int BITS>
+inline void unpack_row(const uint8_t* row, float* out, int64_t D) {
+#if KVK_AVX2
+  for (int64_t i = 0; i < D; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(codes8<BITS>(row, i, D * BITS / 8)));
+#else
+  for (int64_t i = 0; i < D; ++i) out[i] = (float)code_at<BITS>(row, i);
+#endif
+}
+
+// ---- turbo -----------------------------------------------------------------------------
+#if KVK_AVX2
+// levels[codes] for 8 codes: a table of 2^BITS floats, looked up by permutes (no gathers)
+template <int BITS>
+inline __m256 lookup8(const float* table, __m256i idx) {
+  if constexpr (BITS <= 3) {
+    return _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), idx);
+  } else if constexpr (BITS <= 5) {
+    __m256 part[BITS == 4 ? 2 : 4];
+    for (int k = 0; k < (BITS == 4 ? 2 : 4); ++k)
+      part[k] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8 * k), idx);
+    const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));  // bit 3 -> sign
+    __m256 low = _mm256_blendv_ps(part[0], part[1], b3);
+    if constexpr (BITS == 4) return low;
+    const __m256 high = _mm256_blendv_ps(part[2], part[3], b3);
+    const __m256 b4 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27));  // bit 4 -> sign
+    return _mm256_blendv_ps(low, high, b4);
+  } else {
+    return _mm256_i32gather_ps(table, idx, 4);
+  }
+}
+
+// one 8-point Walsh-Hadamard transform (Sylvester order) inside a register
+inline __m256 fwht8(__m256 v) {
+  __m256 s = _mm256_permute_ps(v, 0xB1);  // len 1: (0,1) (2,3) ...
+  v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xAA);
+  s = _mm256_permute_ps(v, 0x4E);  // len 2
+  v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xCC);
+  s = _mm256_permute2f128_ps(v, v, 1);  // len 4
+  return _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xF0);
+}
+#endif
+
+template <int BITS>
+inline void turbo_levels(const uint8_t* row, const float* table, float* out, int64_t P) {
+#if KVK_AVX2
+  for (int64_t i = 0; i < P; i += 8)
+    _mm256_storeu_ps(out + i, lookup8<BITS>(table, codes8<BITS>(row, i, P * BITS / 8)));
+#else
+  for (int64_t i = 0; i < P; ++i) out[i] = table[code_at<BITS>(row, i)];
+#endif
+}
+
+// y <- fwht(y) (unnormalised) for P a power of two >= 8
+inline void fwht(float* y, int64_t P) {
+#if KVK_AVX2
+  for (int64_t i = 0; i < P; i += 8) _mm256_storeu_ps(y + i, fwht8(_mm256_loadu_ps(y + i)));
+  for (int64_t len = 8; len < P; len <<= 1) {
+    for (int64_t i = 0; i < P; i += 2 * len) {
+      for (int64_t j = i; j < i + len; j += 8) {
+        const __m256 a = _mm256_loadu_ps(y + j), b = _mm256_loadu_ps(y + j + len);
+        _mm256_storeu_ps(y + j, _mm256_add_ps(a, b));
+        _mm256_storeu_ps(y + j + len, _mm256_sub_ps(a, b));
+      }
+    }
+  }
+#else
+  for (int64_t len = 1; len < P; len <<= 1) {
+    for (int64_t i = 0; i < P; i += 2 * len) {
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = y[j], b = y[j + len];
+        y[j] = a + b;
+        y[j + len] = a - b;
+      }
+    }
+  }
+#endif
+}
+
+// ---- per-kind decoders -----------------------------------------------------------------
+struct Tile {
+  const Reader& r;
+  int64_t h;
+  const int32_t* cells;
+  const int32_t* pos;
+  float* tile;
+  const float** rows;
+  uint8_t* dom;
+  const Rope& rope;
+};
+
+// the window row of cell c, decoded into out; false when the cell is stored as codes
+inline bool from_window(const Reader& r, int64_t c, int64_t h, float* out) {
+  if (r.window == nullptr) return false;
+  TORCH_CHECK(c < r.window_len, "kvcache kernel: cell ", c, " outside the window map");
+  const int32_t slot = r.window[c];
+  if (slot < 0) return false;
+  TORCH_CHECK(slot < r.residual_rows, "kvcache kernel: window slot ", slot, " out of range");
+  half_row(r.residual + ((int64_t)slot * r.H + h) * r.D, out, (int)r.D);
+  return true;
+}
+
+inline const uint8_t* code_row(const Reader& r, int64_t c, int64_t h) {
+  TORCH_CHECK(c < r.rows, "kvcache kernel: cell ", c, " has no codes (", r.rows, " rows)");
+  return r.data + c * r.data_cell + h * r.data_head;
+}
+
+// Calls row(j, c, out) for each cell not read from the window, then applies RoPE.
+template <typename RowFn>
+inline void each_row(const Tile& t, int a, int b, RowFn row) {
+  const int64_t D = t.r.D;
+  for (int j = a; j < b; ++j) {
+    const int64_t c = t.cells[j];
+    float* out = t.tile + (int64_t)j * D;
+    t.rows[j] = out;
+    t.dom[j] = 0;
+    if (!from_window(t.r, c, t.h, out) && !row(j, c, out)) continue;  // false: no RoPE
+    if (t.r.pre_rope) apply_rope(t.rope, t.pos[j], out, D);
+  }
+}
+
+void decode_float(const Tile& t, int a, int b) {
+  const Reader& r = t.r;
+  each_row(t, a, b, [&](int j, int64_t c, float* out) {
+    const uint8_t* row = code_row(r, c, t.h);
+    if (r.kind == F32) {
+      if (r.direct) {
+        t.rows[j] = reinterpret_cast<const float*>(row);
+        return false;
+      }
+      std::memcpy(out, row, (size_t)r.D * 4);
+    } else if (r.kind == F16) {
+      half_row(reinterpret_cast<const uint16_t*>(row), out, (int)r.D);
+    } else {
+      bf16_row(reinterpret_cast<const uint16_t*>(row), out, (int)r.D);
+    }
+    return true;
+  });
+}
+
+void decode_int8(const Tile& t, int a, int b) {
+  const Reader& r = t.r;
+  each_row(t, a, b, [&](int, int64_t c, float* out) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(code_row(r, c, t.h));
+    const float s = half_to_float(r.scale[c * r.H + t.h]);
+#if KVK_AVX2
+    const __m256 sv = _mm256_set1_ps(s);
+    for (int64_t i = 0; i < r.D; i += 8) {
+      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + i)));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), sv));
+    }
+#else
+    for (int64_t i = 0; i < r.D; ++i) out[i] = (float)q[i] * s;
+#endif
+    return true;
+  });
+}
+
+// x = q * scale + low per group of channels (+ the sequence's key centre)
+template <int BITS>
+void decode_affine_rows(const Tile& t, int a, int b) {
+  const Reader& r = t.r;
+  const int64_t D = r.D, groups = r.scale_head, width = D / groups;
+  Record centre;
+  each_row(t, a, b, [&](int, int64_t c, float* out) {
+    unpack_row<BITS>(code_row(r, c, t.h), out, D);
+    const uint16_t* sp = r.scale + (c * r.H + t.h) * groups;
+    const uint16_t* lp = r.low + (c * r.H + t.h) * groups;
+    if (r.meta_a != nullptr) centre.load(r, c, t.h, r.meta_a, nullptr);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = half_to_float(sp[g]), m = half_to_float(lp[g]);
+      float* x = out + g * width;
+#if KVK_AVX2
+      const __m256 sv = _mm256_set1_ps(s), mv = _mm256_set1_ps(m);
+      for (int64_t i = 0; i < width; i += 8) {
+        __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), sv, mv);
+        if (r.meta_a != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(centre.a + g * width + i));
+        _mm256_storeu_ps(x + i, v);
+      }
+#else
+      for (int64_t i = 0; i < width; ++i)
+        x[i] = x[i] * s + m + (r.meta_a != nullptr ? centre.a[g * width + i] : 0.f);
+#endif
+    }
+    return true;
+  });
+}
+
+// KIVI keys: x = q * scale[channel] + low[channel] of the cell's group record
+template <int BITS>
+void decode_affine_channels(const Tile& t, int a, int b) {
+  const Reader& r = t.r;
+  Record range;
+  each_row(t, a, b, [&](int, int64_t c, float* out) {
+    unpack_row<BITS>(code_row(r, c, t.h), out, r.D);
+    range.load(r, c, t.h, r.meta_a, r.meta_b);
+    fma_rows(out, range.a, range.b, out, (int)r.D);
+    return true;
+  });
+}
+
+// Turbo: levels of the codes times the row's norm; keys rotated back (and centred), values
+// left in the rotated domain (dom = 1)
+template <int BITS>
+void decode_turbo(const Tile& t, int a, int b) {
+  const Reader& r = t.r;
+  const int64_t D = r.D;
+  Record centre;
+  float signs[256];  // the head's sign flips times 1/sqrt(P): the inverse rotation's diagonal
+  const float norm = 1.f / std::sqrt((float)D);
+  for (int64_t i = 0; i < D; ++i) signs[i] = r.signs[t.h * D + i] * norm;
+  each_row(t, a, b, [&](int j, int64_t c, float* out) {
+    turbo_levels<BITS>(code_row(r, c, t.h), r.centroids, out, D);
+    const int64_t m = c * r.H + t.h;
+    const float s = r.log_scale ? log_scale_value(reinterpret_cast<const uint8_t*>(r.scale)[m])
+                                : bf16_to_float(r.scale[m] & 0x7fff);  // sign bit: unused flag
+    if (r.rotated) {
+      scale_row(s, out, (int)D);
+      t.dom[j] = 1;
+      return false;  // values: summed in the rotated domain, rotated back once
+    }
+    fwht(out, D);
+    if (r.meta_a != nullptr) centre.load(r, c, t.h, r.meta_a, nullptr);
+#if KVK_AVX2
+    const __m256 sv = _mm256_set1_ps(s);
+    for (int64_t i = 0; i < D; i += 8) {
+      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(sv, _mm256_loadu_ps(signs + i)));
+      if (r.meta_a != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(centre.a + i));
+      _mm256_storeu_ps(out + i, v);
+    }
+#else
+    for (int64_t i = 0; i < D; ++i)
+      out[i] = out[i] * s * signs[i] + (r.meta_a != nullptr ? centre.a[i] : 0.f);
+#endif
+    return true;
+  });
+}
+
+using DecodeFn = void (*)(const Tile&, int, int);
+
+DecodeFn turbo_fn(int64_t bits) {
+  switch (bits) {
+    case 1: return decode_turbo<1>;
+    case 2: return decode_turbo<2>;
+    case 3: return decode_turbo<3>;
+    case 4: return decode_turbo<4>;
+    case 5: return decode_turbo<5>;
+    case 6: return decode_turbo<6>;
+    case 7: return decode_turbo<7>;
+    case 8: return decode_turbo<8>;
+    default: TORCH_CHECK(false, "kvcache kernel: turbo bits ", bits, " not in 1..8");
+  }
+}
+
+}  // namespace
+
+void turbo_unrotate(const float* signs, float* y, int64_t P) {
+  fwht(y, P);
+  const float norm = 1.f / std::sqrt((float)P);
+  for (int64_t i = 0; i < P; ++i) y[i] *= norm * signs[i];
+}
+
+void prefetch(const Reader& r, const int32_t* cells, int n) {
+#if KVK_AVX2
+  for (int j = 0; j < n; ++j) {
+    if (cells[j] >= r.rows) continue;  // a window row: no codes to fetch
+    const char* row = reinterpret_cast<const char*>(r.data + cells[j] * r.data_cell);
+    for (int64_t off = 0; off < r.data_cell; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+  }
+#else
+  (void)r, (void)cells, (void)n;
+#endif
+}
+
+Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>& ints, int64_t H,
+                   int64_t D) {
+  TORCH_CHECK(t.size() == NUM_SLOTS && ints.size() == NUM_INTS, "kvcache kernel: bad layout");
+  Reader r;
+  r.kind = ints[KIND];
+  r.bits = ints[BITS];
+  r.group = ints[GROUP];
+  r.log_scale = ints[LOG_SCALE] != 0;
+  r.pre_rope = ints[PRE_ROPE] != 0;
+  r.rotated = ints[ROTATED] != 0;
+  r.H = H;
+  r.D = D;
+  TORCH_CHECK(D % 16 == 0 && D <= 256, "kvcache kernel: head_dim must be a multiple of 16, <= 256");
+  for (const at::Tensor& x : t)
+    TORCH_CHECK(!x.numel() || (x.is_contiguous() && x.device().is_cpu()),
+                "kvcache kernel: layout tensors must be contiguous CPU tensors");
+  const at::Tensor& data = t[DATA];
+  TORCH_CHECK(data.dim() == 3 && data.size(1) == H, "kvcache kernel: storage must be [N, H, *]");
+  r.data = ptr<uint8_t>(data);
+  r.rows = data.size(0);
+  r.data_head = data.size(2) * data.element_size();
+  r.data_cell = H * r.data_head;
+  r.scale = ptr<uint16_t>(t[SCALE]);
+  r.low = ptr<uint16_t>(t[LOW]);
+  if (t[SCALE].dim() == 3) {  // [rows, H, groups] (rows may be 0: nothing encoded yet)
+    TORCH_CHECK(t[SCALE].size(0) == r.rows && t[SCALE].size(2) > 0, "kvcache kernel: bad scale");
+    r.scale_head = t[SCALE].size(2);
+  }
+  if (r.kind == INT8 || r.kind == AFFINE_ROWS || r.kind == TURBO)
+    TORCH_CHECK(r.scale_head > 0 && D % r.scale_head == 0, "kvcache kernel: bad scale groups");
+  r.meta_of = ptr<int32_t>(t[META_OF]);
+  r.meta_a = ptr<uint16_t>(t[META_A]);
+  r.meta_b = ptr<uint16_t>(t[META_B]);
+  r.meta_rows = t[META_A].numel() ? t[META_A].size(0) : 0;
+  TORCH_CHECK(r.meta_a == nullptr || r.meta_of != nullptr, "kvcache kernel: records need meta_of");
+  r.window = ptr<int32_t>(t[WINDOW]);
+  r.window_len = t[WINDOW].numel();
+  r.residual = ptr<uint16_t>(t[RESIDUAL]);
+  r.residual_rows = t[RESIDUAL].numel() ? t[RESIDUAL].size(0) : 0;
+  r.centroids = ptr<float>(t[CENTROIDS]);
+  r.signs = ptr<float>(t[SIGNS]);
+  r.direct = r.kind == F32 && !r.pre_rope;
+  if (r.kind == AFFINE_ROWS || r.kind == AFFINE_CHANNELS)
+    TORCH_CHECK(r.bits == 2 || r.bits == 4, "kvcache kernel: affine codes of ", r.bits, " bits");
+  if (r.kind == TURBO)
+    TORCH_CHECK((D & (D - 1)) == 0 && r.signs != nullptr && r.centroids != nullptr,
+                "kvcache kernel: turbo needs a power-of-two head_dim, signs and levels");
+  return r;
+}
+
+void decode(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a, int b,
+            float* tile, const float** rows, uint8_t* dom, const Rope& rope) {
+  const Tile t{r, h, cells, pos, tile, rows, dom, rope};
+  switch (r.kind) {
+    case F32:
+    case F16:
+    case BF16:
+      return decode_float(t, a, b);
+    case INT8:
+      return decode_int8(t, a, b);
+    case AFFINE_ROWS:
+      return r.bits == 4 ? decode_affine_rows<4>(t, a, b) : decode_affine_rows<2>(t, a, b);
+    case AFFINE_CHANNELS:
+      return r.bits == 4 ? decode_affine_channels<4>(t, a, b)
+                         : decode_affine_channels<2>(t, a, b);
+    case TURBO:
+      return turbo_fn(r.bits)(t, a, b);
+    default:
+      TORCH_CHECK(false, "kvcache kernel: unknown codec kind ", r.kind);
+  }
+}
+
+}  // namespace kvk

@@ -1,0 +1,76 @@
+// Codec readers: decode a block of cells' rows of one KV head into float rows, straight from
+// the stored codes (the layouts are documented in src/kvcache/kernels/layout.py, which builds
+// the tensor list a Reader is made from).
+//
+// decode() fills rows[j] (a pointer to D floats) for j in [a, b) of a block of cells:
+//   * fp32 storage without RoPE to apply hands back pointers into the storage itself;
+//   * everything else is dequantized into the caller's tile [BLK, D] first;
+//   * a cell whose row lives in the fp16 recent window (slot >= 0) is read from there;
+//   * keys stored before RoPE are rotated by their cell's position from the cos/sin tables;
+//   * dom[j] = 1 marks a row left in turbo's rotated domain (values only: the caller sums
+//     those apart and rotates the sum back once).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "simd.h"
+
+namespace kvk {
+
+// codec kinds: kvcache.codecs.base (F32 ... TURBO)
+enum Kind : int64_t { F32 = 0, F16, BF16, INT8, AFFINE_ROWS, AFFINE_CHANNELS, TURBO };
+
+// tensor slots of a reader, in the order kvcache/kernels/attend.py passes a Layout's fields
+enum Slot : int {
+  DATA = 0, SCALE, LOW, META_OF, META_A, META_B, WINDOW, RESIDUAL, CENTROIDS, SIGNS, NUM_SLOTS
+};
+// int slots
+enum IntSlot : int { KIND = 0, BITS, GROUP, LOG_SCALE, PRE_ROPE, ROTATED, NUM_INTS };
+
+struct Rope {
+  const float* cos = nullptr;  // [P, D/2]
+  const float* sin = nullptr;  // [P, D/2]
+  int64_t count = 0;
+};
+
+struct Reader {
+  int64_t kind = F32;
+  int64_t H = 0, D = 0;
+  const uint8_t* data = nullptr;
+  int64_t data_cell = 0, data_head = 0;  // bytes per cell / per head row
+  int64_t rows = 0;                 // cells with codes (data's first dimension)
+  const uint16_t* scale = nullptr;  // fp16 (bf16 / uint8 for turbo) [rows, H, scale_head]
+  const uint16_t* low = nullptr;
+  int64_t scale_head = 0;
+  const int32_t* meta_of = nullptr;  // [N] metadata record of a cell (-1: none)
+  const uint16_t* meta_a = nullptr;  // fp16 [M, H, D]: key centre / channel scale
+  const uint16_t* meta_b = nullptr;  // fp16 [M, H, D]: channel minimum
+  int64_t meta_rows = 0;
+  const int32_t* window = nullptr;   // [N] cell -> fp16 slot, -1 = codes
+  int64_t window_len = 0;
+  const uint16_t* residual = nullptr;    // fp16 [rows, H, D]
+  int64_t residual_rows = 0;
+  const float* centroids = nullptr;      // turbo: codebook levels at unit scale
+  const float* signs = nullptr;          // turbo: [H, P] sign flips of the rotation
+  int64_t bits = 0, group = 0;
+  bool log_scale = false, pre_rope = false, rotated = false;
+  bool direct = false;  // fp32 rows handed out as pointers into storage
+};
+
+Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>& ints, int64_t H,
+                   int64_t D);
+
+// Decode rows [a, b) of a block: cells[j], pos[j]; rows[j] -> D floats; dom[j] as above.
+void decode(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a, int b,
+            float* tile, const float** rows, uint8_t* dom, const Rope& rope);
+
+// Ask the memory system for the rows [H, *] of cells[0:n] (the next tile, while this one is
+// computed): a tile's cells may be scattered, which hardware prefetchers miss.
+void prefetch(const Reader& r, const int32_t* cells, int n);
+
+// Inverse turbo rotation in place: y [P] -> x [D] (fwht(y) * signs, first D entries).
+void turbo_unrotate(const float* signs, float* y, int64_t P);
+
+}  // namespace kvk

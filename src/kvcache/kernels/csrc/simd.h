@@ -1,0 +1,175 @@
+// Small vector helpers over float rows: AVX2 + F16C when the compiler targets them
+// (built with -march=native), plain loops otherwise. Rows are D floats, D a multiple of 8.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVK_AVX2 1
+#else
+#define KVK_AVX2 0
+#endif
+
+namespace kvk {
+
+// fp16 bits -> float (IEEE half; subnormals and inf/nan kept)
+inline float half_to_float(uint16_t h) {
+#if KVK_AVX2
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { man <<= 1; ++e; } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t bits = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// dst[0:n] = src[0:n] as float (fp16 source)
+inline void half_row(const uint16_t* src, float* dst, int n) {
+#if KVK_AVX2
+  for (int i = 0; i < n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#else
+  for (int i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
+#endif
+}
+
+inline void bf16_row(const uint16_t* src, float* dst, int n) {
+#if KVK_AVX2
+  for (int i = 0; i < n; i += 8) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+#else
+  for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+#endif
+}
+
+inline float dot(const float* a, const float* b, int n) {
+#if KVK_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i < n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  s0 = _mm256_add_ps(s0, s1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+#else
+  float s = 0.f;
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+#endif
+}
+
+// y[0:n] += p * x[0:n]
+inline void axpy(float p, const float* x, float* y, int n) {
+#if KVK_AVX2
+  __m256 pv = _mm256_set1_ps(p);
+  for (int i = 0; i < n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#else
+  for (int i = 0; i < n; ++i) y[i] += p * x[i];
+#endif
+}
+
+inline void scale_row(float f, float* y, int n) {
+#if KVK_AVX2
+  __m256 fv = _mm256_set1_ps(f);
+  for (int i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(fv, _mm256_loadu_ps(y + i)));
+#else
+  for (int i = 0; i < n; ++i) y[i] *= f;
+#endif
+}
+
+// y = a * x + b  (elementwise a, b rows; in place on y = x allowed)
+inline void fma_rows(const float* x, const float* a, const float* b, float* y, int n) {
+#if KVK_AVX2
+  for (int i = 0; i < n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(a + i),
+                                            _mm256_loadu_ps(b + i)));
+#else
+  for (int i = 0; i < n; ++i) y[i] = x[i] * a[i] + b[i];
+#endif
+}
+
+}  // namespace kvk
+
+namespace kvk {
+
+#if KVK_AVX2
+// exp of 8 floats (Cephes' expf scheme: 2^n * polynomial, relative error ~1e-7); x <= 88
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3365f);
+  x = _mm256_max_ps(x, lo);  // exp(-inf) -> ~1e-38 * 0 below; callers mask -inf separately
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, c1, x);
+  x = _mm256_fnmadd_ps(fx, c2, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+#endif
+
+// x[0:n] = exp(x[0:n] - m); returns the sum. Entries equal to -inf give 0.
+inline float exp_shift_sum(float* x, int n, float m) {
+  float sum = 0.f;
+  int i = 0;
+#if KVK_AVX2
+  const __m256 mv = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, mv)));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  sum = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  return sum;
+}
+
+}  // namespace kvk

@@ -1,0 +1,243 @@
+"""Recent windows: which cells keep their rows in fp16, and when older rows become codes.
+
+Bookkeeping only (ints and bools in numpy arrays); the buffers of ``kvcache.codecs`` hold
+the rows. A quantizing codec keeps each sequence's newest ``window`` rows (by position) in
+fp16 and encodes ("seals") the older ones, ``group`` consecutive rows of one sequence at a
+time (1 for per-row codecs; 64 for KIVI keys, quantized per channel over 64 tokens), and
+``batch`` rows at a time: a decode step then only copies its row into the window, and a
+buffer encodes once every ``batch`` steps (so a window holds ``window`` to
+``window + batch - 1`` rows)::
+
+    seq 3 positions   0 ... 63 | 64 ... 127 | 128 ............ 255     window 128, group 64
+    state             sealed   |  sealed    |  open (fp16 rows)
+                      group a  |  group b   |
+
+Everything is per sequence, so a sequence's codes and metadata do not depend on which other
+sequences share the pool or the batch, and a window never holds more rows than its history.
+A cell shared by several sequences (``copy_prefix``) is sealed by whichever passes it first.
+
+Metadata ("meta", one id per record, shared by all layers; each layer's buffer holds its own
+values under that id):
+
+    kind       one record per                      holds (in the buffers)
+    none       -                                   -
+    sequence   sequence (inherited by copy_prefix)  a key centre (int4, turbo keys)
+    group      sealed group                         per-channel ranges (KIVI keys)
+
+A fresh record's values come from ``basis``: the rows a buffer averages or ranges over.
+
+Slots: an open row lives in fp16 slot ``slot_of[cell]`` of every layer's buffer (slots are
+assigned here, once for all layers). A plan records the slots its sealed rows had, since a
+layer reads them (to encode) before it writes the plan's kept rows, which may reuse them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcache.cells import Cells
+
+META_KINDS = ("none", "sequence", "group")
+SEAL_BATCH = 32  # rows of a sequence sealed together (a multiple of the codec's group)
+
+
+@dataclass(frozen=True)
+class SealGroup:
+    """Rows encoded together in one forward."""
+
+    cells: np.ndarray  # [n] cells, by position
+    slots: np.ndarray  # [n] their fp16 slots before this forward (-1: a new row)
+    meta: int  # metadata id of these rows (-1: none)
+    fresh: bool  # ``meta`` is new: its values come from the rows of ``basis``
+    basis: np.ndarray  # [m] cells (old open rows or this forward's new rows)
+    basis_slots: np.ndarray  # [m] their slots (-1: new)
+
+
+@dataclass(frozen=True)
+class SealPlan:
+    """What one forward does to a codec's fp16 windows (the same for every layer)."""
+
+    keep: np.ndarray  # new cells whose rows stay in fp16
+    keep_slots: np.ndarray  # their slots
+    groups: tuple[SealGroup, ...]  # rows to encode now
+
+    @classmethod
+    def everything(cls, cells: np.ndarray) -> SealPlan:
+        """Encode every new row with no metadata (a reserve forward's allocation only)."""
+        none = cells[:0]
+        return cls(none, none, (SealGroup(cells, np.full(len(cells), -1), -1, False, none, none),))
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """A codec's window: rows kept per sequence, rows sealed together, metadata kind."""
+
+    window: int
+    group: int = 1
+    meta: str = "none"
+    batch: int = SEAL_BATCH
+
+    def __post_init__(self) -> None:
+        assert self.window >= 0 and self.group >= 1, f"bad window spec {self}"
+        assert self.batch % self.group == 0, f"batch {self.batch} not a multiple of group"
+        assert self.meta in META_KINDS, f"meta kind {self.meta!r} not in {META_KINDS}"
+
+
+class Windows:
+    """The fp16 windows and metadata ids of one :class:`WindowSpec` over ``n`` cells."""
+
+    def __init__(self, n: int, spec: WindowSpec) -> None:
+        self.spec = spec
+        self.open = np.zeros(n, dtype=bool)  # [N] row held in fp16
+        self.slot_of = np.full(n, -1, dtype=np.int32)  # [N] its fp16 slot (-1: none)
+        self._used = np.zeros(0, dtype=bool)  # [slots] slot holds a row
+        self.slots = 0  # 1 + the highest slot in use: every layer's window has this many rows
+        self.meta_of = np.full(n, -1, dtype=np.int32)  # [N] metadata id of a sealed row
+        self.seq_meta: dict[int, int] = {}  # sequence -> its record (kind "sequence")
+        self._users = np.zeros(0, dtype=np.int64)  # [M] cells + sequences using each record
+        self._spare: list[int] = []
+
+    # ---- planning (start_forward) ------------------------------------------------------
+    def plan(self, cells: Cells, locs: np.ndarray, seqs: np.ndarray) -> SealPlan:
+        """Seal what the forward that placed ``locs`` (of ``seqs``) pushes out of windows.
+
+        Call after the cells are occupied; commits the new state (the plan is then applied
+        to every layer's buffers by their puts).
+        """
+        is_new = np.zeros(len(self.open), dtype=bool)
+        is_new[locs] = True
+        keep: list[np.ndarray] = []
+        groups: list[SealGroup] = []
+        claimed = np.zeros(len(self.open), dtype=bool)  # sealed earlier in this forward
+        _, first = np.unique(seqs, return_index=True)
+        for seq in seqs[np.sort(first)].tolist():
+            new = int(np.count_nonzero(seqs == seq))
+            order = cells.ordered(seq)
+            tail = order[-(self.spec.window + self.spec.batch + new) :]
+            cand = tail[(self.open[tail] | is_new[tail]) & ~claimed[tail]]  # by position
+            excess = len(cand) - self.spec.window
+            b = self.spec.batch
+            sealing = cand[: max(excess // b * b, 0)]
+            claimed[sealing] = True
+            if len(sealing):
+                groups.extend(self._groups(seq, sealing, cand))
+            keep.append(cand[len(sealing) :][is_new[cand[len(sealing) :]]])
+        kept = np.concatenate(keep) if keep else locs[:0]
+        for group in groups:
+            self.open[group.cells] = False
+            self._set_meta(group.cells, group.meta)
+            self._free(group.cells)
+        self.open[kept] = True
+        return SealPlan(kept, self._assign(kept), tuple(groups))
+
+    def _groups(self, seq: int, sealing: np.ndarray, cand: np.ndarray) -> list[SealGroup]:
+        kind = self.spec.meta
+        slots = self.slot_of[sealing].copy()
+        if kind == "none":
+            return [SealGroup(sealing, slots, -1, False, sealing[:0], slots[:0])]
+        if kind == "sequence":
+            meta = self.seq_meta.get(seq)
+            fresh = meta is None
+            if meta is None:
+                meta = self._new_meta()
+                self.seq_meta[seq] = meta
+                self._users[meta] += 1  # the sequence itself
+            basis = cand if fresh else cand[:0]
+            return [SealGroup(sealing, slots, meta, fresh, basis, self.slot_of[basis].copy())]
+        g = self.spec.group
+        out = []
+        for i in range(0, len(sealing), g):
+            part, part_slots = sealing[i : i + g], slots[i : i + g]
+            out.append(SealGroup(part, part_slots, self._new_meta(), True, part, part_slots))
+        return out
+
+    # ---- changes -----------------------------------------------------------------------
+    def release(self, cells: np.ndarray) -> None:
+        """``cells`` became free: their rows and metadata go."""
+        if len(cells) == 0:
+            return
+        self.open[cells] = False
+        self._set_meta(cells, -1)
+        self._free(cells)
+
+    def share(self, src: int, dst: int) -> None:
+        """``dst`` continues ``src`` (``copy_prefix``): it inherits src's record."""
+        self.forget(dst)
+        meta = self.seq_meta.get(src)
+        if meta is not None:
+            self.seq_meta[dst] = meta
+            self._users[meta] += 1
+
+    def forget(self, seq: int) -> None:
+        """``seq`` holds no cell any more."""
+        meta = self.seq_meta.pop(seq, None)
+        if meta is not None:
+            self._drop_user(meta)
+
+    # ---- slots -------------------------------------------------------------------------
+    def _assign(self, cells: np.ndarray) -> np.ndarray:
+        """Slots for ``cells``: the lowest free ones, so windows stay as small as their rows."""
+        free = np.flatnonzero(~self._used[: self.slots])[: len(cells)]
+        extra = np.arange(self.slots, self.slots + len(cells) - len(free))
+        slots = np.concatenate([free, extra]).astype(np.int32)
+        if len(extra):
+            self.slots += len(extra)
+            if self.slots > len(self._used):
+                self._used = np.concatenate([self._used, np.zeros(self.slots, dtype=bool)])
+        self._used[slots] = True
+        self.slot_of[cells] = slots
+        return slots
+
+    def _free(self, cells: np.ndarray) -> None:
+        held = cells[self.slot_of[cells] >= 0]
+        if len(held) == 0:
+            return
+        self._used[self.slot_of[held]] = False
+        self.slot_of[held] = -1
+        used = np.flatnonzero(self._used[: self.slots])
+        self.slots = int(used[-1]) + 1 if len(used) else 0  # drop free slots at the top
+
+    # ---- metadata ids ------------------------------------------------------------------
+    def _new_meta(self) -> int:
+        if self._spare:
+            return self._spare.pop()
+        meta = len(self._users)
+        self._users = np.append(self._users, 0)
+        return meta
+
+    def _set_meta(self, cells: np.ndarray, meta: int) -> None:
+        old = self.meta_of[cells]
+        for m in old[old >= 0].tolist():
+            self._drop_user(m)
+        self.meta_of[cells] = meta
+        if meta >= 0:
+            self._users[meta] += len(cells)
+
+    def _drop_user(self, meta: int) -> None:
+        self._users[meta] -= 1
+        assert self._users[meta] >= 0, f"metadata {meta} released too often"
+        if self._users[meta] == 0:
+            self._spare.append(meta)
+
+    def meta_capacity(self) -> int:
+        """Number of metadata ids ever handed out (buffers size their records by it)."""
+        return len(self._users)
+
+    def check(self, cells: Cells) -> None:
+        """Assert the invariants (tests call it after every operation)."""
+        free = cells.refs == 0
+        assert not self.open[free].any(), f"free cells open: {np.flatnonzero(self.open & free)}"
+        assert (self.meta_of[free] == -1).all(), "free cells keep metadata"
+        assert not (self.open & (self.meta_of >= 0)).any(), "open rows with sealed metadata"
+        assert np.array_equal(self.open, self.slot_of >= 0), "open rows without a slot"
+        used = self.slot_of[self.slot_of >= 0]
+        assert len(set(used.tolist())) == len(used), "two rows share a slot"
+        assert np.array_equal(np.sort(used), np.flatnonzero(self._used)), "slot map != used slots"
+        assert self.slots == (int(used.max()) + 1 if len(used) else 0), "slots not trimmed"
+        for seq in cells.ranges:
+            held = cells.ordered(seq)
+            n_open = int(np.count_nonzero(self.open[held]))
+            slack = self.spec.window + self.spec.batch - 1
+            assert n_open <= max(slack, 0), f"seq {seq} keeps {n_open} open rows > {slack}"

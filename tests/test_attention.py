@@ -1,0 +1,226 @@
+"""``CausalCache.attention``: the kernels against the plain reference (float64 softmax over the
+cache's own mask and decoded K/V) for every codec and every policy, with histories beyond
+every fp16 window; batch rows against each sequence alone; the plan's segments; errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvcache.causal as causal_module
+import kvcache.kernels.plan as plan_module
+from kvcache import Batch, CausalCache
+from kvcache.cells import Cells
+from kvcache.errors import DimensionMismatchError, InvalidArgumentError
+from kvcache.kernels import AttentionPlan, RowBounds, grouped_attention
+from kvcache.models.rope import Rope
+
+H, G, D = 3, 3, 64
+ROPE = Rope(D, 10000.0)
+CODECS = [
+    "fp32", "fp16", "bf16", "int8", "int4", "int4:recent=0", "kivi4", "kivi2",
+    "turbo4", "turbo3", "int8/int4",
+]  # fmt: skip
+POLICIES = {
+    "causal": {},
+    "window": {"window": 150},
+    "window+memory": {"window": 150, "memory": 260},
+    "chunk": {"chunk": 96},
+}
+REL = 1e-5  # the kernels compute in float32 from the same codes the reference decodes
+
+
+class Recorder:
+    """Runs forwards on a cache and checks every layer's attention against the reference."""
+
+    def __init__(self, cache: CausalCache, layers: int = 2, seed: int = 0) -> None:
+        self.cache, self.layers = cache, layers
+        self.g = torch.Generator().manual_seed(seed)
+        self.worst = 0.0
+        self.calls = 0
+
+    def forward(self, positions: list[int], seqs: list[int], exempt: list[int] = ()) -> None:
+        self.cache.start_forward(Batch(positions, seqs))
+        if exempt:
+            self.cache.set_causal(exempt)
+        t = len(positions)
+        for layer in range(self.layers):
+            q = torch.randn(t, H * G, D, generator=self.g)
+            k = torch.randn(t, H, D, generator=self.g)
+            k[..., 3] += 5.0  # an offset channel, as real keys have
+            v = torch.randn(t, H, D, generator=self.g)
+            out = self.cache.attention(layer, q, k, v)
+            keys, values, mask = self.cache.get(layer)
+            ref = grouped_attention(q.double(), keys.double(), values.double(), mask, D**-0.5)
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            self.worst = max(self.worst, err)
+            self.calls += 1
+
+
+def workload(rec: Recorder, decode_steps: int = 4) -> None:
+    """Prompt chunks (the tile path), a fork, a finished sequence, a set_causal exemption,
+    then decode steps of every sequence together, all beyond the 128-row windows."""
+    rec.forward(list(range(200)), [0] * 200)
+    rec.forward(list(range(200, 420)), [0] * 220)
+    rec.forward(list(range(300)), [1] * 300)
+    rec.cache.copy_prefix(0, 2, 350)
+    rec.forward(list(range(350, 360)) + [420], [2] * 10 + [0])  # a short chunk: the kernel
+    rec.forward(list(range(40)), [3] * 40, exempt=[5, 6])
+    rec.cache.remove(1, 0)
+    rec.forward(list(range(260)), [1] * 260)  # reuses the freed cells
+    for step in range(decode_steps):
+        rec.forward([421 + step, 360 + step, 40 + step, 260 + step], [0, 2, 3, 1])
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("codec", CODECS)
+def test_kernel_equals_the_reference(codec: str, policy: str, monkeypatch: pytest.MonkeyPatch):
+    calls = []
+    real = causal_module.attend
+    monkeypatch.setattr(causal_module, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = CausalCache(
+        1024, max_sequences=4, max_batch=512, shift=ROPE, codec=codec, **POLICIES[policy]
+    )
+    rec = Recorder(cache)
+    workload(rec)
+    assert len(calls) == rec.calls  # every attention ran in the kernels
+    assert rec.worst < REL, f"{codec} / {policy}: relative error {rec.worst:.2e}"
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4", "kivi4", "turbo4"])
+def test_every_segment_through_the_tile_path_or_the_kernel(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+):
+    for rows in (0, 10**9):  # all prompt tiles / everything in the C++ kernel
+        monkeypatch.setattr(plan_module, "TILE_ROWS", rows)
+        rec = Recorder(CausalCache(1024, max_sequences=4, shift=ROPE, codec=codec))
+        workload(rec, decode_steps=2)
+        assert rec.worst < REL, f"{codec}, TILE_ROWS={rows}: {rec.worst:.2e}"
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "kivi4", "turbo4"])
+def test_each_row_of_a_16_sequence_batch_equals_that_sequence_alone(codec: str):
+    """Distinct histories; the batched decode step against one step per sequence, on two
+    caches given the same K/V (codes are per sequence: placement does not change them)."""
+    n, g = 16, torch.Generator().manual_seed(3)
+    prompts = [int(x) for x in torch.randint(150, 400, (n,), generator=g)]
+    rows = {s: (torch.randn(p, H, D, generator=g), torch.randn(p, H, D, generator=g))
+            for s, p in enumerate(prompts)}  # fmt: skip
+    q = torch.randn(n, H * G, D, generator=g)
+    k_new, v_new = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
+    caches = [CausalCache(512, max_sequences=n, shift=ROPE, codec=codec) for _ in range(2)]
+    for cache in caches:
+        for s, (k, v) in rows.items():
+            cache.start_forward(Batch.single(s, 0, len(k)))
+            cache.put(0, k, v)
+    together = caches[0]
+    together.start_forward(Batch(prompts, list(range(n))))
+    batched = together.attention(0, q, k_new, v_new)
+    alone = caches[1]
+    for s in range(n):
+        alone.start_forward(Batch.single(s, prompts[s], 1))
+        out = alone.attention(0, q[s : s + 1], k_new[s : s + 1], v_new[s : s + 1])
+        scale = out.abs().max()
+        assert (out[0] - batched[s]).abs().max() <= 1e-6 * scale, f"sequence {s}"
+
+
+def test_reserve_forward_allocates_and_returns_zeros():
+    cache = CausalCache(64, codec="int4")
+    cache.start_forward(Batch.single(0, 0, 3), reserve=True)
+    out = cache.attention(0, torch.randn(3, H * G, D), torch.randn(3, H, D), torch.randn(3, H, D))
+    assert out.shape == (3, H * G, D) and not out.any()
+    assert 0 in cache.storage.layers and cache.used_cells() == 0
+
+
+def test_attention_errors_change_nothing():
+    cache = CausalCache(64)
+    cache.start_forward(Batch.single(0, 0, 2))
+    k = v = torch.randn(2, H, D)
+    with pytest.raises(DimensionMismatchError, match="q heads"):
+        cache.attention(0, torch.randn(2, 4, D), k, v)
+    with pytest.raises(DimensionMismatchError, match="head_dim"):
+        cache.attention(0, torch.randn(2, H * G, D // 2), k, v)
+    with pytest.raises(DimensionMismatchError, match="q tokens"):
+        cache.attention(0, torch.randn(3, H * G, D), k, v)
+    with pytest.raises(InvalidArgumentError, match="q="):
+        cache.attention(0, torch.ones(2, H * G, D, dtype=torch.int64), k, v)
+    assert not cache.storage.layers  # nothing was stored
+    out = cache.attention(0, torch.randn(2, H * G, D), k, v)
+    assert out.shape == (2, H * G, D)
+
+
+def test_reference_path_for_float64_and_the_environment(monkeypatch: pytest.MonkeyPatch):
+    calls = []
+    monkeypatch.setattr(causal_module, "attend", lambda *a, **k: calls.append(1))
+    for dtype, env in ((torch.float64, ""), (torch.float32, "reference")):
+        monkeypatch.setenv(causal_module.ATTENTION_ENV, env)
+        cache = CausalCache(64, dtype=dtype)
+        cache.start_forward(Batch.single(0, 0, 4))
+        q, k, v = (torch.randn(4, h, D, dtype=dtype) for h in (H * G, H, H))
+        out = cache.attention(0, q, k, v)
+        causal = torch.ones(4, 4, dtype=torch.bool).tril()
+        assert torch.allclose(out, grouped_attention(q, k, v, causal), atol=1e-6)
+    assert not calls
+
+
+def test_grouped_attention_equals_repeated_heads():
+    """The reference itself, against per-head softmax with K/V repeated (HF's repeat_kv)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(5, 6, 8, generator=g), torch.randn(7, 2, 8, generator=g), None
+    v = torch.randn(7, 2, 8, generator=g)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    mask[2] = False  # a row that sees nothing: zeros
+    out = grouped_attention(q.double(), k.double(), v.double(), mask, 0.3)
+    kr, vr = k.repeat_interleave(3, dim=1).double(), v.repeat_interleave(3, dim=1).double()
+    for h in range(6):
+        s = (q[:, h].double() @ kr[:, h].T) * 0.3
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+        assert torch.allclose(out[:, h], p @ vr[:, h], atol=1e-12)
+    assert not out[2].any()
+
+
+# ---- the plan ----------------------------------------------------------------------------
+def cells_with(layout: dict[int, list[int]], shared: dict[int, tuple[int, int]] = ()) -> Cells:
+    """Cells holding ``layout[seq]`` = cells in position order; ``shared[dst] = (src, n)``."""
+    c = Cells(64)
+    for seq, cells in layout.items():
+        c.occupy(np.array(cells), np.arange(len(cells)), np.full(len(cells), seq))
+    for dst, (src, n) in dict(shared).items():
+        c.share(dst, c.ordered(src)[:n])
+    return c
+
+
+def bounds(seqs: list[int], pos: list[int], lo: int | None = None) -> RowBounds:
+    p = np.array(pos)
+    return RowBounds(np.array(seqs), np.full(len(p), -(10**9) if lo is None else lo), p)
+
+
+def test_plan_reads_each_sequence_in_position_order():
+    c = cells_with({0: [5, 1, 3], 1: [2, 4]})
+    plan = AttentionPlan.build(c, bounds([0, 1], [2, 1]), kv_heads=3, threads=1)
+    assert plan.cells.tolist() == [5, 1, 3, 2, 4] and plan.pos.tolist() == [0, 1, 2, 0, 1]
+    assert plan.segs.tolist() == [[0, 3, 0, 1], [3, 5, 1, 2]]
+    assert plan.entries[:, 0].tolist() == [0, 1] and not plan.tiles
+
+
+def test_plan_reads_a_shared_prefix_once_for_every_fork():
+    c = cells_with({0: [0, 1, 2, 3, 4]}, shared={1: (0, 4), 2: (0, 3)})
+    c.occupy(np.array([7, 8]), np.array([4, 3]), np.array([1, 2]))  # each fork's own token
+    plan = AttentionPlan.build(c, bounds([0, 1, 2], [4, 4, 3]), kv_heads=3, threads=1)
+    segs = plan.segs.tolist()
+    assert segs[0] == [0, 3, 0, 3]  # cells 0..2: one segment, one entry per row
+    assert plan.cells.tolist()[:3] == [0, 1, 2]
+    assert sorted(plan.entries[:, 0].tolist()) == [0, 0, 1, 1, 2, 2]  # each row: prefix + own
+
+
+def test_plan_narrows_to_the_visible_positions_and_splits_long_segments():
+    c = cells_with({0: list(range(60))})
+    plan = AttentionPlan.build(c, bounds([0], [59], lo=40), kv_heads=1, threads=1)
+    assert plan.pos.tolist() == list(range(40, 60))  # a window: older cells are not read
+    big = Cells(5000)
+    big.occupy(np.arange(5000), np.arange(5000), np.zeros(5000, dtype=np.int64))
+    plan = AttentionPlan.build(big, bounds([0], [4999]), kv_heads=3, threads=2)
+    assert plan.segs[:, 1].tolist() == list(range(625, 5001, 625))  # 8 pieces: 4 per thread
+    rows = AttentionPlan.build(big, bounds([0] * 20, list(range(4980, 5000))), 3, 2)
+    assert len(rows.tiles) == 1 and not len(rows.segs)  # a prompt chunk: the tile path
