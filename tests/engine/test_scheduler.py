@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.engine.scheduler import Engine, EngineConfig, RequestParams
+from kvcache.engine import Engine, EngineConfig, RequestParams
 from kvcache.engine.store import MemoryStore
 from kvcache.errors import InvalidArgumentError, StoreUnavailableError
 from kvcache.models.llama import Llama, LlamaConfig
@@ -63,12 +63,12 @@ def test_shared_prefix_prefills_only_new_tokens(model):
     follow = first + out1[:2] + second[20:24]  # continues the first conversation
     r = engine.submit(follow, RequestParams(max_tokens=8, ignore_eos=True))
     engine.run()
-    assert r.reused == 32  # 4 whole blocks shared through copy_prefix
+    assert r.cached_tokens == 32  # 4 whole blocks shared through copy_prefix
     assert r.computed == len(follow) - 32 + 7  # the rest of the prompt + 7 decode feeds
     assert r.generated == single(model, follow)
     other = engine.submit(second, RequestParams(max_tokens=8, ignore_eos=True))
     engine.run()
-    assert other.reused == 16  # the 20 shared tokens hold 2 whole blocks
+    assert other.cached_tokens == 16  # the 20 shared tokens hold 2 whole blocks
     assert other.generated == single(model, second)
 
 
@@ -102,7 +102,7 @@ def test_cancel_frees_cells(model):
     events = []
     while not a.events.empty():
         events.append(a.events.get())
-    assert events[-1].finished and events[-1].reason == "cancelled"
+    assert events[-1].finished and events[-1].finish_reason == "cancelled"
 
 
 def test_request_that_cannot_fit_is_rejected(model):
@@ -123,13 +123,13 @@ def test_second_engine_loads_blocks_from_the_store(model):
     warm = Engine(model, config=cfg, model_id="tiny", store=store)
     r = warm.submit(p, RequestParams(max_tokens=8, ignore_eos=True))
     warm.run()
-    assert warm.stats.store_tokens == 32 and r.reused == 32  # 4 blocks of the prompt's 39
+    assert warm.stats.store_tokens == 32 and r.cached_tokens == 32  # 4 blocks of the prompt's 39
     assert r.computed == 40 - 32 + 7
     assert r.generated == out
     other_model = Engine(model, config=cfg, model_id="another", store=store)
     r2 = other_model.submit(p, RequestParams(max_tokens=8, ignore_eos=True))
     other_model.run()
-    assert r2.reused == 0  # blocks are only reused by the same model identity
+    assert r2.cached_tokens == 0  # blocks are only reused by the same model identity
 
 
 def test_corrupt_store_entry_is_ignored(model):
@@ -142,7 +142,7 @@ def test_corrupt_store_entry_is_ignored(model):
     warm = Engine(model, config=cfg, model_id="tiny", store=store)
     r = warm.submit(p, RequestParams(max_tokens=8, ignore_eos=True))
     warm.run()
-    assert warm.stats.store_rejected == 1 and r.reused == 0 and r.generated == out
+    assert warm.stats.store_rejected == 1 and r.cached_tokens == 0 and r.generated == out
 
 
 class DownStore(MemoryStore):
@@ -164,7 +164,7 @@ def test_unreachable_store_is_a_miss_and_requests_complete(model):
     engine = Engine(model, config=cfg, model_id="tiny", store=DownStore())
     r = engine.submit(p, RequestParams(max_tokens=8, ignore_eos=True))
     engine.run()
-    assert r.generated == expected and r.reused == 0
+    assert r.generated == expected and r.cached_tokens == 0
     assert engine.stats.store_errors >= 2  # the lookup and the publish both failed
     assert engine.stats.store_published == 0
     assert engine.metrics()["store_errors_total"] == engine.stats.store_errors
