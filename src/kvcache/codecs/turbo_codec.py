@@ -1,5 +1,5 @@
 """TurboQuant codecs for the cell cache (``turbo4``, ``turbo3``): the quantizer of
-``kvcache.codecs.turbo`` applied per cell and head.
+``kvcache.codecs.quantizer`` applied per cell and head.
 
 Layout per layer (head h uses rotation seed ``seed + h``, as the compressed cache does)::
 
@@ -18,7 +18,7 @@ its values' norm in one byte (log-coded; at most 4.4 % off, next to the 2-bit co
 ~34 % relative error) so that K+V fit in 1/5 of fp16's bytes.
 
 Keys and values both spend all ``bits`` on the Lloyd–Max codebook (the module docstring of
-``turbo.py`` says why QJL loses). Keys are centred by their sequence's centre (the mean of
+``quantizer.py`` says why QJL loses). Keys are centred by their sequence's centre (the mean of
 its rows when it first seals one): any fixed offset round-trips, and cells are written out
 of order and shared by sequences. Keys are quantized before RoPE where the cache can
 (``pre_rope``): the centre of un-rotated keys holds at every position. Measured on SmolLM2
@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 from kvcache.codecs.base import TURBO, Buffer, Codec, Layout, grown
-from kvcache.codecs.turbo import SCALE_DTYPE, Encoded, HeadStack, TurboQuantizer, packed_width
+from kvcache.codecs.encoded import SCALE_DTYPE, Encoded
+from kvcache.codecs.pack import packed_width
+from kvcache.codecs.quantizer import HeadStack, TurboQuantizer
 from kvcache.codecs.window import WindowedBuffer
 from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
 
@@ -116,8 +118,8 @@ class TurboBuffer(WindowedBuffer):
             self.codes,
             scale=self.scale,
             centroids=book.centroids * (1.0 / math.sqrt(self.padded)),
-            signs=self.stack.signs,
-            rotation=self.stack.matrices if self.stack.matrices is not None else torch.empty(0),
+            signs=self.stack.rotations.signs,
+            rotation=_or_empty(self.stack.rotations.matrices),
             bits=self.bits,
             log_scale=self.log_scale,
             rotated=not self.keys,
@@ -179,3 +181,7 @@ def _log_decode(code: torch.Tensor) -> torch.Tensor:
     c = code.float()
     s = torch.exp2((c - 1) / _LOG_STEPS + _LOG_MIN)
     return torch.where(code > 0, s, torch.zeros_like(s))
+
+
+def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
+    return t if t is not None else torch.empty(0)

@@ -12,10 +12,13 @@ sets its threads too.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -58,15 +61,32 @@ def extension() -> ModuleType:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
-        return load(
-            name=_build_name(),
-            sources=[str(_source_dir() / s) for s in SOURCES],
-            extra_cflags=list(FLAGS),
-            build_directory=str(where),
-            verbose=bool(os.environ.get("KVCACHE_KERNEL_VERBOSE")),
-        )
+        with _exclusive(where):
+            return load(
+                name=_build_name(),
+                sources=[str(_source_dir() / s) for s in SOURCES],
+                extra_cflags=list(FLAGS),
+                build_directory=str(where),
+                verbose=bool(os.environ.get("KVCACHE_KERNEL_VERBOSE")),
+            )
     except (RuntimeError, OSError, ImportError) as e:
         raise NotSupportedError(
             f"the kvcache attention kernels did not build in {where} ({e}); they need g++ "
             "and ninja (bash scripts/setup.sh installs them)"
         ) from e
+
+
+@contextlib.contextmanager
+def _exclusive(where: Path) -> Iterator[None]:
+    """One builder at a time, through an OS lock the kernel drops when its holder dies.
+
+    torch's own ``lock`` file is a plain file: a build killed mid-way (a timeout, ^C) leaves
+    it behind and every later ``load`` waits for it forever. Under this lock nobody else is
+    building, so a ``lock`` file found here is stale and is removed."""
+    with open(where / "kvcache.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (where / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
