@@ -9,37 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from greedy_reference import greedy, greedy_with_shift, random_prompt
 from kvcache.errors import InvalidArgumentError
 from kvcache.generate import GenerationConfig, Generator, generate
 from kvcache.models.llama import Llama
 from kvcache.models.sampling import SamplingParams, sample
 from kvcache.text.stream import IncrementalDecoder, StopMatcher
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 97, (n,), generator=g).tolist()
-
-
-def greedy_reference(model: Llama, ids: list[int], n: int, window: int | None = None) -> list[int]:
-    """n greedy tokens, each from a full no-cache forward over everything so far."""
-    out = list(ids)
-    for _ in range(n):
-        out.append(int(model.forward_full(out, window=window)[-1].argmax()))
-    return out[len(ids) :]
-
-
-def shift_reference(model: Llama, ids: list[int], n: int, capacity: int, keep: int) -> list[int]:
-    """The context-shift policy on a token list, each token from a full no-cache forward."""
-    held, out = list(ids), []
-    for _ in range(n):
-        nxt = int(model.forward_full(held)[-1].argmax())
-        out.append(nxt)
-        if len(held) + 1 > capacity:  # feeding nxt would overflow: shift first
-            discard = (len(held) - keep) // 2
-            del held[keep : keep + discard]
-        held.append(nxt)
-    return out
 
 
 def run_all(gen: Generator) -> None:
@@ -51,10 +26,10 @@ def changed_by_one_early_token(model: Llama, prompts: int = 8) -> int:
     """Of ``prompts`` random prompts, how many continue differently when token 1 changes."""
     changed = 0
     for seed in range(prompts):
-        ids = prompt(10, seed=seed)
+        ids = random_prompt(10, seed=seed)
         other = list(ids)
         other[1] = (other[1] + 1) % 97
-        changed += greedy_reference(model, ids, 8) != greedy_reference(model, other, 8)
+        changed += greedy(model, ids, 8) != greedy(model, other, 8)
     return changed
 
 
@@ -68,20 +43,20 @@ def test_the_test_models_see_the_history(history_model: Llama, history_one_layer
 
 
 def test_greedy_generation_equals_no_cache_reference(history_model: Llama):
-    ids = prompt(9, seed=1)
+    ids = random_prompt(9, seed=1)
     [done] = generate(history_model, None, ids, GenerationConfig(max_new_tokens=12))
-    assert done.tokens == greedy_reference(history_model, ids, 12)
+    assert done.tokens == greedy(history_model, ids, 12)
     assert done.finish_reason == "length"
 
 
 def test_many_prompts_in_one_cache_equal_each_alone(history_model: Llama):
-    prompts = [prompt(5, seed=2), prompt(11, seed=3), prompt(3, seed=4)]
+    prompts = [random_prompt(5, seed=2), random_prompt(11, seed=3), random_prompt(3, seed=4)]
     configs = [GenerationConfig(max_new_tokens=n) for n in (6, 3, 9)]
     gen = Generator(history_model, capacity=32, max_sequences=3, max_batch=8)
     ids = [gen.add(p, c) for p, c in zip(prompts, configs, strict=True)]
     run_all(gen)
     for i, p, c in zip(ids, prompts, configs, strict=True):
-        assert gen.results[i].tokens == greedy_reference(history_model, p, c.max_new_tokens)
+        assert gen.results[i].tokens == greedy(history_model, p, c.max_new_tokens)
     # finished sequences gave back every cell but those they keep as prefix holders
     assert gen.cache.used_cells() == gen.engine.holder_cells() > 0
     # max_batch 8 forced chunked prefill; decoding was shared: fewer forwards than tokens
@@ -89,16 +64,20 @@ def test_many_prompts_in_one_cache_equal_each_alone(history_model: Llama):
 
 
 def test_prompt_longer_than_max_batch_is_prefilled_in_chunks(history_model: Llama):
-    ids = prompt(23, seed=12)
+    ids = random_prompt(23, seed=12)
     gen = Generator(history_model, capacity=40, max_batch=5)
     rid = gen.add(ids, GenerationConfig(max_new_tokens=4))
     run_all(gen)
-    assert gen.results[rid].tokens == greedy_reference(history_model, ids, 4)
+    assert gen.results[rid].tokens == greedy(history_model, ids, 4)
     assert gen.stats.forwards == 5 + 3  # ceil(23 / 5) prefill chunks, then 3 decode steps
 
 
 def test_prompt_joining_between_steps_and_queueing(history_model: Llama):
-    first, late, queued = prompt(6, seed=5), prompt(4, seed=6), prompt(7, seed=7)
+    first, late, queued = (
+        random_prompt(6, seed=5),
+        random_prompt(4, seed=6),
+        random_prompt(7, seed=7),
+    )
     gen = Generator(history_model, capacity=32, max_sequences=2)
     cfg = GenerationConfig(max_new_tokens=8)
     a = gen.add(first, cfg)
@@ -108,17 +87,17 @@ def test_prompt_joining_between_steps_and_queueing(history_model: Llama):
     c = gen.add(queued, cfg)  # no free slot: waits for one to finish
     run_all(gen)
     for rid, p in ((a, first), (b, late), (c, queued)):
-        assert gen.results[rid].tokens == greedy_reference(history_model, p, 8)
+        assert gen.results[rid].tokens == greedy(history_model, p, 8)
 
 
 def test_shared_prefix_is_computed_once(history_model: Llama):
-    base = prompt(10, seed=8)
+    base = random_prompt(10, seed=8)
     prompts = [base + [1, 2], base + [3], list(base), base + [4, 5, 6]]
     gen = Generator(history_model, capacity=32, max_sequences=4)
     ids = gen.add_many(prompts, GenerationConfig(max_new_tokens=5))
     run_all(gen)
     for rid, p in zip(ids, prompts, strict=True):
-        assert gen.results[rid].tokens == greedy_reference(history_model, p, 5)
+        assert gen.results[rid].tokens == greedy(history_model, p, 5)
     assert gen.stats.prompt_tokens == sum(len(p) for p in prompts)
     # the first computes its 12 tokens; the others wait for it, take its cells (all of their
     # prompt but the last token, or the common prefix) and compute only the rest
@@ -129,12 +108,12 @@ def test_shared_prefix_is_computed_once(history_model: Llama):
 def test_context_shift_keeps_first_tokens_and_halves_the_rest(history_one_layer: Llama):
     # one layer, so the shifted cache equals the cache of the kept tokens exactly
     model = history_one_layer
-    ids = prompt(6, seed=9)
+    ids = random_prompt(6, seed=9)
     capacity, keep, n_new = 12, 2, 20
     gen = Generator(model, capacity=capacity, keep=keep)
     rid = gen.add(ids, GenerationConfig(max_new_tokens=n_new))
     run_all(gen)
-    assert gen.results[rid].tokens == shift_reference(model, ids, n_new, capacity, keep)
+    assert gen.results[rid].tokens == greedy_with_shift(model, ids, n_new, capacity, keep)
     assert gen.stats.shifts >= 2
 
 
@@ -142,31 +121,31 @@ def test_context_shift_keeps_a_prefix_shared_with_another_sequence(history_one_l
     # the second prompt takes the first's 5-token prefix (shared cells cannot move): both
     # sequences shift keeping those 5 tokens, not the 2 asked for
     model = history_one_layer
-    base = prompt(5, seed=15)
+    base = random_prompt(5, seed=15)
     prompts = [[*base, 7], [*base, 8]]
     capacity, n_new = 12, 16
     gen = Generator(model, capacity=capacity, max_sequences=2, keep=2)
     ids = gen.add_many(prompts, GenerationConfig(max_new_tokens=n_new))
     run_all(gen)
     for rid, p in zip(ids, prompts, strict=True):
-        assert gen.results[rid].tokens == shift_reference(model, p, n_new, capacity, keep=5)
+        assert gen.results[rid].tokens == greedy_with_shift(model, p, n_new, capacity, keep=5)
     assert gen.stats.reused_tokens == 5 and gen.stats.shifts >= 4
 
 
 def test_sliding_window_generation_equals_windowed_reference(history_model: Llama):
     window, n_new = 5, 14
-    prompts = [prompt(7, seed=13), prompt(4, seed=14)]
+    prompts = [random_prompt(7, seed=13), random_prompt(4, seed=14)]
     gen = Generator(history_model, capacity=8, max_sequences=2, max_batch=4, window=window)
     ids = [gen.add(p, GenerationConfig(max_new_tokens=n_new)) for p in prompts]
     run_all(gen)
     for rid, p in zip(ids, prompts, strict=True):
         # positions grow past capacity: the window forgets, nothing shifts
-        assert gen.results[rid].tokens == greedy_reference(history_model, p, n_new, window)
+        assert gen.results[rid].tokens == greedy(history_model, p, n_new, window)
     assert gen.stats.shifts == 0
 
 
 def test_sampling_is_reproducible_and_filters_work(history_model: Llama):
-    ids = prompt(5, seed=10)
+    ids = random_prompt(5, seed=10)
 
     def tokens(sampling: SamplingParams) -> list[int]:
         cfg = GenerationConfig(max_new_tokens=10, sampling=sampling)
@@ -175,13 +154,13 @@ def test_sampling_is_reproducible_and_filters_work(history_model: Llama):
     hot = SamplingParams(temperature=1.5, seed=7)
     assert tokens(hot) == tokens(hot)
     assert tokens(hot) != tokens(SamplingParams(temperature=1.5, seed=8))
-    greedy = greedy_reference(history_model, ids, 10)
-    assert tokens(SamplingParams(temperature=1.0, top_k=1, seed=1)) == greedy
-    assert tokens(SamplingParams(temperature=1.0, top_p=1e-6, seed=1)) == greedy
+    want = greedy(history_model, ids, 10)
+    assert tokens(SamplingParams(temperature=1.0, top_k=1, seed=1)) == want
+    assert tokens(SamplingParams(temperature=1.0, top_p=1e-6, seed=1)) == want
 
 
 def test_parallel_samples_of_one_prompt_differ_but_share_the_prompt(history_model: Llama):
-    ids = prompt(8, seed=11)
+    ids = random_prompt(8, seed=11)
     cfg = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=2.0, seed=3))
     gen = Generator(history_model, capacity=32, max_sequences=3)
     rids = gen.add_many([ids] * 3, cfg)
