@@ -1,5 +1,5 @@
 """The engine against the model's no-cache forward, on a tiny float64 Llama whose next token
-depends on the history (``tests/conftest.py``): batching, prefix reuse (the longest holder,
+depends on the history (``tests/tiny_models.py``): batching, prefix reuse (the longest holder,
 least-recently-used eviction, block stores with every codec), preemption, cancellation,
 validation. Wrong K/V anywhere changes the tokens."""
 

@@ -1,5 +1,5 @@
 """Generation (the facade over the engine) against no-cache references, on tiny float64 models
-whose next token depends on the history (``tests/conftest.py``): greedy, many prompts at
+whose next token depends on the history (``tests/tiny_models.py``): greedy, many prompts at
 once, prompts joining later, queueing, the shared-prompt fork, context shifting (with a
 shared prefix too), sliding windows, sampling reproducibility, and the streaming/stop-string
 text machinery."""
