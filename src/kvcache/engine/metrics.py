@@ -83,12 +83,6 @@ ENGINE_METRICS: tuple[Exported, ...] = (
     Exported("evictions", "counter", "Idle prefix holders evicted for room.", "evictions_total"),
     Exported("preemptions", "counter", "Running requests preempted for room.", "preemptions_total"),
     Exported(
-        "spills",
-        "counter",
-        "Preempted requests whose cells were kept aside instead of recomputed.",
-        "spills_total",
-    ),
-    Exported(
         "restores",
         "counter",
         "Readmitted requests whose kept cells were restored.",

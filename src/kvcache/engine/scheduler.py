@@ -386,7 +386,6 @@ class Engine:
             "context_shifts_total": s.shifts,
             "evictions_total": s.evictions,
             "preemptions_total": s.preemptions,
-            "spills_total": s.spills,
             "restores_total": s.restores,
             "store_published_total": s.store_published,
             "store_rejected_total": s.store_rejected,

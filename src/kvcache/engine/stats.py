@@ -39,8 +39,7 @@ class EngineStats:
     store_tokens: int = 0  # ... of which loaded from the block store
     evictions: int = 0  # idle prefix holders evicted for room
     preemptions: int = 0  # running requests preempted for room
-    spills: int = 0  # preempted requests whose cells were kept aside instead of recomputed
-    restores: int = 0  # readmitted requests whose kept cells were restored
+    restores: int = 0  # readmitted requests whose cells a preemption policy kept and restored
     store_published: int = 0
     store_rejected: int = 0  # block-store entries refused (corrupt, other model or codec)
     store_errors: int = 0  # block-store calls that failed (treated as a miss)
