@@ -142,7 +142,8 @@ def warm_up(model: Any, batch: int, codec: str, max_batch: int) -> None:
 
 def attention_op(codec: str, args: argparse.Namespace) -> dict[str, float]:
     """``cache.attention`` for one decode row over a ``--history`` of random K/V, every
-    layer in turn; the median call and the stored bytes per layer it reads."""
+    layer in turn; the median call and the stored bytes per layer it reads. ``"turbo4@post"``:
+    keys quantized after RoPE (``CausalCache(key_rope=...)``)."""
     from kvcache import Batch, CausalCache
     from kvcache.models.llama import LlamaConfig
     from kvcache.models.rope import Rope
@@ -151,7 +152,10 @@ def attention_op(codec: str, args: argparse.Namespace) -> dict[str, float]:
     cfg = LlamaConfig.from_gguf(GGUFFile(smollm2_path()))
     n, layers, kv, d = args.history, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     rope = Rope(d, cfg.rope_theta)
-    cache = CausalCache(n + args.warm + args.steps, shift=rope, codec=codec)
+    name, _, key_rope = codec.partition("@")
+    cache = CausalCache(
+        n + args.warm + args.steps, shift=rope, codec=name, key_rope=key_rope or None
+    )
     g = torch.Generator().manual_seed(0)
     cache.start_forward(Batch.single(0, 0, n))
     for layer in range(layers):
