@@ -26,8 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache.cli import main as cli_main
 from kvcache.commands.serve import model_identity
+from kvcache.engine.loop import EngineLoop
 from kvcache.engine.metrics import RateMeter
-from kvcache.engine.scheduler import Engine, EngineConfig, EngineLoop
+from kvcache.engine.params import EngineConfig
+from kvcache.engine.scheduler import Engine
 from kvcache.engine.server import ServerState, create_app
 from kvcache.models.llama import Llama
 from kvcache.text.tokenizer import Tokenizer
@@ -60,7 +62,7 @@ class Served:
         )
 
     def cancelled(self) -> int:
-        return self.state.finishes.counts().get("cancelled", 0)
+        return self.state.prometheus.finishes().get("cancelled", 0)
 
     def wait_idle(self, timeout: float = TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -415,13 +417,8 @@ def scrape(served: Served) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(r.text)}
 
 
-def value(families: dict[str, Any], name: str) -> float:
-    (sample,) = families[name].samples
-    return float(sample.value)
-
-
-def test_metrics_parse_as_prometheus_text(served):
-    served.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+def scrape_settled(served: Served) -> dict[str, Any]:
+    """A scrape once the engine is idle and its last step's snapshot is published."""
     served.wait_idle()
     deadline = time.monotonic() + 5  # the snapshot is published just after the last step
     while (fam := scrape(served)) and value(fam, "kvcache_generated_tokens") != (
@@ -429,6 +426,17 @@ def test_metrics_parse_as_prometheus_text(served):
     ):
         assert time.monotonic() < deadline, "the metrics snapshot lags the engine"
         time.sleep(0.05)
+    return fam
+
+
+def value(families: dict[str, Any], name: str) -> float:
+    (sample,) = families[name].samples
+    return float(sample.value)
+
+
+def test_metrics_parse_as_prometheus_text(served):
+    served.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+    fam = scrape_settled(served)
     kinds = {
         "kvcache_cells_used": "gauge",
         "kvcache_cells_free": "gauge",
@@ -462,13 +470,37 @@ def test_shared_system_prompt_is_reused_and_counted(served, smollm2):
     client.chat.completions.create(
         model=MODEL, messages=chat_messages("Define a block."), max_tokens=2, temperature=0
     )
-    before = value(scrape(served), "kvcache_prefix_reused_tokens")
-    client.chat.completions.create(
+    before = scrape_settled(served)
+    r = client.chat.completions.create(
         model=MODEL, messages=chat_messages("Define a cell."), max_tokens=2, temperature=0
     )
-    fam = scrape(served)
-    assert value(fam, "kvcache_prefix_reused_tokens") - before == (common // 16) * 16
-    assert common >= 48 and value(fam, "kvcache_prefix_hit_rate") > 0
+    fam = scrape_settled(served)
+    reused = (common // 16) * 16  # whole blocks of the shared system prompt
+    assert common >= 48 and r.usage.prompt_tokens_details.cached_tokens == reused
+    assert (
+        value(fam, "kvcache_prefix_reused_tokens") - value(before, "kvcache_prefix_reused_tokens")
+        == reused
+    )
+    assert value(fam, "kvcache_prefix_hit_rate") > 0
+    # the second prompt's reuse stopped at a block nobody holds, or at its partial last block
+    whole = (len(second) - 1) // 16  # the last token is always computed
+    reason = "no_holder" if whole > common // 16 else "partial_block"
+    assert misses(fam)[reason] == misses(before)[reason] + 1
+    assert sum(misses(fam).values()) == sum(misses(before).values()) + 1
+    assert set(misses(fam)) == {
+        "no_holder",
+        "evicted",
+        "partial_block",
+        "model_mismatch",
+        "codec_mismatch",
+        "corrupt",
+        "store_unavailable",
+    }
+
+
+def misses(families: dict[str, Any]) -> dict[str, float]:
+    """kvcache_prefix_miss_total by reason."""
+    return {s.labels["reason"]: s.value for s in families["kvcache_prefix_miss"].samples}
 
 
 # ---- engine failures -----------------------------------------------------------------
@@ -509,7 +541,7 @@ def test_engine_failure_is_a_500_not_a_hang(smollm2):
                     chat=True,
                 )
             assert engine.cache.used_cells() == 0  # the failed requests' cells were freed
-            assert s.state.finishes.counts() == {"error": 2}
+            assert s.state.prometheus.finishes() == {"error": 2}
             failing.fail = False  # the server keeps serving once the fault is gone
             ok = s.client().completions.create(
                 model=MODEL, prompt="Hello", max_tokens=2, extra_body={"ignore_eos": True}

@@ -11,22 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache.models.llama import Llama, LlamaConfig
+from kvcache.models.llama import Llama
 from kvcache.text.tokenizer import Tokenizer
 from kvcache.weights.gguf import smollm2_path
-
-TINY = LlamaConfig(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10000.0,
-    rms_eps=1e-6,
-    context_length=256,
-)
+from tiny_models import TINY
 
 
 @pytest.fixture(scope="session")

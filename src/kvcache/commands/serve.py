@@ -14,7 +14,8 @@ from kvcache.commands.options import add_kv_codec, check_kv_codec
 if TYPE_CHECKING:
     import torch
 
-    from kvcache.engine.scheduler import Engine, EngineConfig
+    from kvcache.engine.params import EngineConfig
+    from kvcache.engine.scheduler import Engine
     from kvcache.engine.store import BlockStore
     from kvcache.models.llama import Llama
     from kvcache.text.tokenizer import Tokenizer
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    from kvcache.engine.scheduler import EngineConfig
+    from kvcache.engine.params import EngineConfig
     from kvcache.errors import InvalidArgumentError
 
     if not 0 <= args.port < 65536:
@@ -179,7 +180,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, name: str, args: argparse.Names
     """Run uvicorn over the engine loop; stop the engine however the server ends."""
     import uvicorn
 
-    from kvcache.engine.scheduler import EngineLoop
+    from kvcache.engine.loop import EngineLoop
     from kvcache.engine.server import create_app
 
     loop = EngineLoop(engine)

@@ -1,26 +1,36 @@
-"""Prometheus text exposition (format 0.0.4) of the engine's counters and gauges.
+"""The ``/metrics`` exposition, written by ``prometheus_client`` (as vLLM does).
 
 The engine counts (``Engine.metrics()``, published after every step as
-``EngineLoop.snapshot``); this module names, types and documents those numbers, adds the
-per-second rates the issue asks for (a scrape is often read by people, not only by a
-Prometheus that could compute ``rate()``), and the server-side tally of how requests ended.
+``EngineLoop.snapshot``); :class:`EngineCollector` names, types and documents those numbers
+at scrape time and adds per-second rates (a scrape is often read by people, not only by a
+Prometheus that could compute ``rate()``). How requests ended is a labelled
+``prometheus_client.Counter`` incremented by the server's handlers::
+
+    kvcache_preemptions_total 3.0
+    kvcache_prefix_miss_total{reason="no_holder"} 12.0
+    kvcache_requests_finished_total{reason="length"} 40.0
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from kvcache.engine.stats import MISS_REASONS
+
 PREFIX = "kvcache"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes
 
 
 @dataclass(frozen=True)
-class Metric:
-    """One exported number: its Prometheus name (without prefix), type, help and source key."""
+class Exported:
+    """One exported number: its name (without prefix or _total), type, help and source key."""
 
     name: str
     kind: str  # "gauge" | "counter"
@@ -28,80 +38,93 @@ class Metric:
     key: str  # key of the engine snapshot (or of the rates)
 
 
-ENGINE_METRICS: tuple[Metric, ...] = (
-    Metric("cells_total", "gauge", "Cells in the K/V pool.", "cells_total"),
-    Metric("cells_used", "gauge", "Cells holding K/V (requests and prefix holders).", "cells_used"),
-    Metric("cells_free", "gauge", "Free cells.", "cells_free"),
-    Metric("prefix_blocks", "gauge", "Token blocks held by the prefix cache.", "prefix_blocks"),
-    Metric("requests_running", "gauge", "Requests in the running batch.", "running"),
-    Metric("requests_queued", "gauge", "Requests waiting for a slot.", "queued"),
-    Metric(
+ENGINE_METRICS: tuple[Exported, ...] = (
+    Exported("cells_total", "gauge", "Cells in the K/V pool.", "cells_total"),
+    Exported(
+        "cells_used", "gauge", "Cells holding K/V (requests and prefix holders).", "cells_used"
+    ),
+    Exported("cells_free", "gauge", "Free cells.", "cells_free"),
+    Exported("prefix_blocks", "gauge", "Token blocks held by the prefix cache.", "prefix_blocks"),
+    Exported("requests_running", "gauge", "Requests in the running batch.", "running"),
+    Exported("requests_queued", "gauge", "Requests waiting for a slot.", "queued"),
+    Exported(
         "prefix_hit_rate",
         "gauge",
         "Prompt tokens served from the prefix cache / prompt tokens.",
         "prefix_hit_rate",
     ),
-    Metric("prompt_tokens_total", "counter", "Prompt tokens submitted.", "prompt_tokens_total"),
-    Metric(
-        "prefix_reused_tokens_total",
+    Exported("prompt_tokens", "counter", "Prompt tokens submitted.", "prompt_tokens_total"),
+    Exported(
+        "prefix_reused_tokens",
         "counter",
         "Prompt tokens taken from the prefix cache instead of computed.",
         "prefix_reused_tokens_total",
     ),
-    Metric(
-        "prefix_store_tokens_total",
+    Exported(
+        "prefix_store_tokens",
         "counter",
         "Prompt tokens loaded from the block store (e.g. computed by another replica).",
         "prefix_store_tokens_total",
     ),
-    Metric(
-        "computed_tokens_total",
+    Exported(
+        "computed_tokens",
         "counter",
-        "Tokens run through the model (prefill and decode).",
+        "Tokens run through the model (prefill, recompute and decode).",
         "computed_tokens_total",
     ),
-    Metric("generated_tokens_total", "counter", "Tokens generated.", "generated_tokens_total"),
-    Metric("forwards_total", "counter", "Batched forward passes.", "forwards_total"),
-    Metric("evictions_total", "counter", "Prefix holders evicted for room.", "evictions_total"),
-    Metric(
-        "preemptions_total",
+    Exported("generated_tokens", "counter", "Tokens generated.", "generated_tokens_total"),
+    Exported("forwards", "counter", "Batched forward passes.", "forwards_total"),
+    Exported(
+        "context_shifts",
         "counter",
-        "Running requests preempted for room (recomputed later).",
-        "preemptions_total",
+        "Context shifts (a middle range dropped, later keys re-rotated).",
+        "context_shifts_total",
     ),
-    Metric(
-        "store_published_blocks_total",
+    Exported("evictions", "counter", "Idle prefix holders evicted for room.", "evictions_total"),
+    Exported("preemptions", "counter", "Running requests preempted for room.", "preemptions_total"),
+    Exported(
+        "restores",
+        "counter",
+        "Readmitted requests whose kept cells were restored.",
+        "restores_total",
+    ),
+    Exported(
+        "store_published_blocks",
         "counter",
         "Blocks written to the block store.",
         "store_published_total",
     ),
-    Metric(
-        "store_rejected_blocks_total",
+    Exported(
+        "store_rejected_blocks",
         "counter",
         "Block-store entries rejected as corrupt or mismatched.",
         "store_rejected_total",
     ),
-    Metric(
-        "store_errors_total",
+    Exported(
+        "store_errors",
         "counter",
         "Block-store calls that failed (store unreachable), treated as misses.",
         "store_errors_total",
     ),
 )
 
-RATE_METRICS: tuple[Metric, ...] = (
-    Metric(
+RATE_METRICS: tuple[Exported, ...] = (
+    Exported(
         "prompt_tokens_per_second",
         "gauge",
         "Prompt tokens submitted per second (sliding window).",
         "prompt_tokens_total",
     ),
-    Metric(
+    Exported(
         "generated_tokens_per_second",
         "gauge",
         "Tokens generated per second (sliding window).",
         "generated_tokens_total",
     ),
+)
+
+MISS_HELP = "Requests that started without reusing all of their prompt, by why reuse stopped: " + (
+    "; ".join(f"{reason}: {text}" for reason, text in MISS_REASONS.items())
 )
 
 
@@ -130,50 +153,66 @@ class RateMeter:
         return max(0.0, (last.get(key, 0.0) - first.get(key, 0.0)) / (t1 - t0))
 
 
-class FinishTally:
-    """How requests ended (stop, length, cancelled, error), counted from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
-
-    def add(self, reason: str) -> None:
-        with self._lock:
-            self._counts[reason] += 1
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
+def _family(name: str, kind: str, help_text: str, value: float) -> Metric:
+    family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return family(f"{PREFIX}_{name}", help_text, value=value)
 
 
-def _number(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(int(value))
+class EngineCollector:
+    """A prometheus_client collector over an engine snapshot, read at scrape time."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], Mapping[str, float]],
+        rates: RateMeter,
+        up: Callable[[], bool],
+    ) -> None:
+        self._snapshot = snapshot
+        self._rates = rates
+        self._up = up
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        self._rates.observe(snap)
+        yield _family("engine_up", "gauge", "1 while the engine thread is stepping.", self._up())
+        for m in ENGINE_METRICS:
+            yield _family(m.name, m.kind, m.help, snap.get(m.key, 0))
+        for m in RATE_METRICS:
+            yield _family(m.name, m.kind, m.help, self._rates.rate(m.key))
+        misses = CounterMetricFamily(f"{PREFIX}_prefix_miss", MISS_HELP, labels=["reason"])
+        for reason in MISS_REASONS:
+            misses.add_metric([reason], snap.get(f"prefix_miss_total:{reason}", 0))
+        yield misses
 
 
-def _family(metric: Metric, samples: list[tuple[str, float]]) -> list[str]:
-    name = f"{PREFIX}_{metric.name}"
-    lines = [f"# HELP {name} {metric.help}", f"# TYPE {name} {metric.kind}"]
-    lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
-    return lines
+class ServerMetrics:
+    """The registry of one server: the engine collector and the finish-reason counter."""
 
+    def __init__(
+        self, snapshot: Callable[[], Mapping[str, float]], rates: RateMeter, up: Callable[[], bool]
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(snapshot, rates, up))
+        self.finished = Counter(
+            f"{PREFIX}_requests_finished",
+            "Requests ended, by finish reason.",
+            ["reason"],
+            registry=self.registry,
+        )
 
-def render(
-    snapshot: Mapping[str, float],
-    rates: RateMeter,
-    finishes: Mapping[str, int],
-    *,
-    up: bool,
-) -> str:
-    """The ``/metrics`` body."""
-    lines: list[str] = []
-    up_metric = Metric("engine_up", "gauge", "1 while the engine thread is stepping.", "")
-    lines += _family(up_metric, [("", 1 if up else 0)])
-    for m in ENGINE_METRICS:
-        lines += _family(m, [("", snapshot.get(m.key, 0))])
-    for m in RATE_METRICS:
-        lines += _family(m, [("", rates.rate(m.key))])
-    finished = Metric("requests_finished_total", "counter", "Requests ended, by finish reason.", "")
-    lines += _family(
-        finished, [(f'{{reason="{reason}"}}', n) for reason, n in sorted(finishes.items())]
-    )
-    return "\n".join(lines) + "\n"
+    def finish(self, reason: str) -> None:
+        """Count one request's end (any thread)."""
+        self.finished.labels(reason).inc()
+
+    def finishes(self) -> dict[str, int]:
+        """Requests ended so far, by reason."""
+        return {
+            s.labels["reason"]: int(s.value)
+            for metric in self.finished.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        }
+
+    def render(self) -> bytes:
+        """The ``/metrics`` body."""
+        return generate_latest(self.registry)

@@ -207,11 +207,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage``: ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+    taken from the prefix cache (or the block store) instead of computed."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -245,7 +248,7 @@ class Reply:
             "choices": choices,
         }
 
-    def full(self, text: str, finish: str, counts: dict[str, int]) -> dict[str, Any]:
+    def full(self, text: str, finish: str, counts: dict[str, Any]) -> dict[str, Any]:
         """The non-streaming body."""
         return {**self._envelope(self.object, [self._choice(text, finish)]), "usage": counts}
 
@@ -259,7 +262,7 @@ class Reply:
     def closing(self, finish: str) -> dict[str, Any]:
         return self._envelope(self.chunk_object, [self._delta_choice(None, finish)])
 
-    def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, counts: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object, []), "usage": counts}
 
     def _choice(self, text: str, finish: str) -> dict[str, Any]:

@@ -28,11 +28,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcache.engine import metrics
+from kvcache.engine.loop import EngineLoop
+from kvcache.engine.params import RequestParams
 from kvcache.engine.protocol import (
     FINISH_REASONS,
     APIError,
@@ -50,8 +52,8 @@ from kvcache.engine.protocol import (
     now,
     usage,
 )
-from kvcache.engine.scheduler import EngineLoop, Event, RequestParams
-from kvcache.engine.scheduler import Request as EngineRequest
+from kvcache.engine.request import Event
+from kvcache.engine.request import Request as EngineRequest
 from kvcache.errors import InvalidArgumentError, KVCacheError
 from kvcache.models.sampling import SamplingParams
 from kvcache.text.tokenizer import Tokenizer
@@ -72,7 +74,12 @@ class ServerState:
     model_name: str
     created: int = field(default_factory=now)
     rates: metrics.RateMeter = field(default_factory=metrics.RateMeter)
-    finishes: metrics.FinishTally = field(default_factory=metrics.FinishTally)
+    prometheus: metrics.ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prometheus = metrics.ServerMetrics(
+            lambda: self.loop.snapshot, self.rates, lambda: self.loop.alive
+        )
 
     @property
     def capacity(self) -> int:
@@ -101,8 +108,8 @@ class Submission:
     def _listener(self, event: Event) -> None:
         """Engine thread: count how the request ended, wake the handler."""
         if event.finished:
-            reason = event.reason or "unknown"
-            self._state.finishes.add("error" if reason.startswith("error") else reason)
+            reason = event.finish_reason or "unknown"
+            self._state.prometheus.finish("error" if reason.startswith("error") else reason)
         with contextlib.suppress(RuntimeError):  # event loop closed: the server stopped
             self._aio.call_soon_threadsafe(self._ready.set)
 
@@ -138,8 +145,10 @@ class Submission:
             self.request.cancel()
             self._state.loop.wake()
 
-    def completion_tokens(self) -> int:
-        return len(self.request.generated)
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage counts, with the prompt tokens reused from the prefix cache."""
+        cached = self.request.cached_tokens or 0
+        return usage(self.prompt_tokens, len(self.request.generated), cached)
 
 
 def _drain(events: queue.SimpleQueue[Event]) -> list[Event]:
@@ -153,7 +162,7 @@ def _drain(events: queue.SimpleQueue[Event]) -> list[Event]:
 
 def _finish_reason(event: Event) -> str:
     """OpenAI's finish_reason of an engine end, or the error that ended it."""
-    reason = event.reason or ""
+    reason = event.finish_reason or ""
     if reason in FINISH_REASONS:
         return FINISH_REASONS[reason]
     if reason.startswith("error"):
@@ -190,13 +199,16 @@ def _request_params(
             param=param,
             code="context_length_exceeded",
         )
-    sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-    return RequestParams(
-        max_tokens=max_tokens,
-        sampling=sampling,
-        stop=body.stop_strings,
-        ignore_eos=body.ignore_eos,
-    )
+    try:
+        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+        return RequestParams(
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
+        )
+    except InvalidArgumentError as e:
+        raise BadRequestError(str(e), param=e.name) from e
 
 
 def _completion_ids(state: ServerState, body: CompletionRequest) -> list[int]:
@@ -234,7 +246,7 @@ async def _stream(sub: Submission, reply: Reply, include_usage: bool) -> AsyncIt
         yield _sse(e.body())
         return
     if include_usage:
-        yield _sse(reply.usage_chunk(usage(sub.prompt_tokens, sub.completion_tokens())))
+        yield _sse(reply.usage_chunk(sub.usage()))
     yield _sse("[DONE]")
 
 
@@ -291,7 +303,7 @@ async def _respond(
         return Response(status_code=499)  # nobody is listening any more
     text, last = result
     finish = _finish_reason(last)
-    return JSONResponse(reply.full(text, finish, usage(len(ids), sub.completion_tokens())))
+    return JSONResponse(reply.full(text, finish, sub.usage()))
 
 
 # ---- errors --------------------------------------------------------------------------
@@ -380,10 +392,7 @@ def create_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str) -> Fa
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        snapshot = state.loop.snapshot
-        state.rates.observe(snapshot)
-        text = metrics.render(snapshot, state.rates, state.finishes.counts(), up=state.loop.alive)
-        return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+        return Response(state.prometheus.render(), media_type=metrics.CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -32,7 +32,19 @@ log = logging.getLogger(__name__)
 
 
 class CorruptBlockError(KVCacheError):
-    """A stored block failed its checks (version, identity, checksum, shapes)."""
+    """A stored block failed its checks (version, identity, checksum, shapes).
+
+    ``reason`` says which kind of check (a prefix-miss reason of the engine's metrics):
+    "model_mismatch", "codec_mismatch" or "corrupt".
+    """
+
+    def __init__(self, message: str, reason: str = "corrupt") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# header fields whose mismatch has its own miss reason (any other failed check: "corrupt")
+MISMATCH_REASONS = {"model": "model_mismatch", "codec": "codec_mismatch"}
 
 
 @dataclass(frozen=True)
@@ -85,7 +97,10 @@ def decode_block(
     }
     for field, value in want.items():
         if meta.get(field) != value:
-            raise CorruptBlockError(f"block {field} is {meta.get(field)!r}, expected {value!r}")
+            raise CorruptBlockError(
+                f"block {field} is {meta.get(field)!r}, expected {value!r}",
+                MISMATCH_REASONS.get(field, "corrupt"),
+            )
     if meta.get("sha256") != _digest(tensors):
         raise CorruptBlockError("block checksum mismatch")
     layers = int(meta.get("layers", "0"))

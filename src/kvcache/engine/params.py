@@ -1,0 +1,92 @@
+"""What the engine is asked to do: its sizes (EngineConfig) and one request's options
+(RequestParams). Both validate on construction, so a bad value fails where it is written
+with a typed error naming it, never deep inside a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcache.engine.context import POLICIES as CONTEXT_POLICIES
+from kvcache.engine.pressure import HOLDER_EVICTIONS, PREEMPTIONS
+from kvcache.errors import InvalidArgumentError, InvalidConfigError
+from kvcache.models.sampling import SamplingParams
+from kvcache.validate import config_int, is_int, optional_config_int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and policies of one engine: context per request, parallel requests, reuse."""
+
+    capacity: int = 4096  # positions one request may hold (prompt + generated)
+    max_sequences: int = 8  # requests running at once
+    max_batch: int = 256  # tokens per forward (decode tokens + prompt chunks)
+    pool_sequences: int | None = None  # cells = pool_sequences * capacity (default max_sequences)
+    block_size: int = 16  # tokens per prefix-cache block
+    prefix_cache: bool = True
+    codec: str | None = None  # cell codec (None: the model's dtype)
+    window: int | None = None  # sliding-window attention: the cache forgets, nothing shifts
+    context: str = "reject"  # "reject": prompt + max_tokens must fit; "shift": drop the middle
+    keep: int | None = None  # tokens a context shift keeps at the start (default min(4, C/4))
+    preemption: str = "recompute"  # kvcache.engine.pressure.PREEMPTIONS
+    holder_eviction: str = "drop"  # kvcache.engine.pressure.HOLDER_EVICTIONS
+
+    def __post_init__(self) -> None:
+        config_int("capacity", self.capacity, 2)
+        config_int("max_sequences", self.max_sequences, 1)
+        config_int("max_batch", self.max_batch, 1)
+        config_int("block_size", self.block_size, 1)
+        optional_config_int("pool_sequences", self.pool_sequences, 1)
+        optional_config_int("window", self.window, 1)
+        if not isinstance(self.prefix_cache, bool):
+            raise InvalidConfigError("prefix_cache", self.prefix_cache, "a bool")
+        if self.context not in CONTEXT_POLICIES:
+            raise InvalidConfigError("context", self.context, f"one of {list(CONTEXT_POLICIES)}")
+        if self.keep is not None:
+            config_int("keep", self.keep, 0)
+            if self.keep >= self.capacity // 2:
+                raise InvalidConfigError(
+                    "keep", self.keep, f"an int < capacity // 2 = {self.capacity // 2}"
+                )
+        if self.preemption not in PREEMPTIONS:
+            raise InvalidConfigError("preemption", self.preemption, f"one of {list(PREEMPTIONS)}")
+        if self.holder_eviction not in HOLDER_EVICTIONS:
+            raise InvalidConfigError(
+                "holder_eviction", self.holder_eviction, f"one of {list(HOLDER_EVICTIONS)}"
+            )
+
+    @property
+    def kept_tokens(self) -> int:
+        """Tokens a context shift keeps at the start (the "attention sink")."""
+        return min(4, self.capacity // 4) if self.keep is None else self.keep
+
+    @property
+    def pool(self) -> int:
+        """Sequences' worth of cells in the pool."""
+        return self.pool_sequences or self.max_sequences
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """One request's options (OpenAI's, and ``generate``'s): length, sampling, stop strings.
+
+    ``stop`` may be given as a list; it is kept as a tuple.
+    """
+
+    max_tokens: int = 16
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidArgumentError("max_tokens", self.max_tokens, "an int >= 1")
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidArgumentError("sampling", self.sampling, "a SamplingParams")
+        stop = self.stop
+        if isinstance(stop, str) or not isinstance(stop, tuple | list):
+            raise InvalidArgumentError("stop", stop, "a tuple of non-empty str")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise InvalidArgumentError("stop", stop, "a tuple of non-empty str")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError("ignore_eos", self.ignore_eos, "a bool")
