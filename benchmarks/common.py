@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: timing, result files, tables."""
+"""Shared benchmark plumbing: timing, read bandwidth, result files, tables, worker
+subprocesses, the transformers checkpoint, and prompts from the Debian license texts."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+LICENSES = Path("/usr/share/common-licenses")
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -28,6 +30,14 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def read_bandwidth(nbytes: int = 400_000_000, repeats: int = 5) -> float:
+    """Bytes/s of a plain torch sum over a float32 buffer of ``nbytes`` (far larger than the
+    CPU's caches) with torch's current thread count: the machine's read bandwidth."""
+    buffer = torch.ones(nbytes // 4)  # touched once: no page faults in the timed sums
+    seconds = median_seconds(buffer.sum, repeats)
+    return buffer.numel() * 4 / seconds
 
 
 def machine() -> dict[str, object]:
@@ -62,16 +72,25 @@ def _fmt(v: object) -> str:
 
 
 # ---- worker subprocesses (one measurement per process: clean peak RSS) ---------------
-def spawn_worker(script: str, args: list[str], threads: int, label: str) -> dict[str, Any]:
+def spawn_worker(
+    script: str, args: list[str], threads: int, label: str, echo: bool = False
+) -> dict[str, Any]:
     """Run ``python script args`` with ``threads`` OpenMP threads; its last ``RESULT {json}``
-    line, parsed. Raises RuntimeError with the worker's stderr tail when it fails."""
+    line, parsed. Raises RuntimeError with the worker's stderr tail when it fails.
+    ``echo``: the worker's stderr goes straight to ours (progress of a long worker)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, script, *args], capture_output=True, text=True, env=env, check=False
+        [sys.executable, script, *args],
+        stdout=subprocess.PIPE,
+        stderr=None if echo else subprocess.PIPE,
+        text=True,
+        env=env,
+        check=False,
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"worker {label} failed:\n{proc.stderr[-3000:]}")
+        tail = "(its stderr is above)" if echo else proc.stderr[-3000:]
+        raise RuntimeError(f"worker {label} failed (exit {proc.returncode}):\n{tail}")
     result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
     return result
 
@@ -120,3 +139,15 @@ def token_clock() -> Any:
             pass
 
     return Clock()
+
+
+def license_tokens(tokenizer: Any, count: int) -> list[int]:
+    """The first ``count`` tokens (no BOS) of the Debian license texts (regular files of
+    /usr/share/common-licenses concatenated in sorted name order): real English text that
+    every Debian machine has. ``tokenizer``: anything with ``encode(text, add_bos=False)``."""
+    files = sorted(p for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
+    text = "".join(p.read_text(errors="replace") for p in files)
+    ids: list[int] = tokenizer.encode(text, add_bos=False)
+    if len(ids) < count:
+        raise SystemExit(f"only {len(ids)} tokens in {LICENSES}, need {count}")
+    return ids[:count]

@@ -1,23 +1,42 @@
-"""SmolLM2-135M decoding: ours (cell cache) vs transformers generate (DynamicCache, StaticCache).
+"""SmolLM2-135M decode on the cell cache: many distinct sequences, long contexts, every codec.
 
-Same weights (the GGUF dequantized to float32; transformers loads a checkpoint converted once
-from the same file), same dtype, same thread count, greedy, exactly N new tokens (EOS
-ignored). Each measurement runs in its own subprocess so peak RSS (ru_maxrss, model load
-included) belongs to one system only. A worker warms up, then times one run; the driver makes
-``--rounds`` passes over all configurations and keeps the best of each (this machine is
-shared: spreading a system's samples over time and keeping the best is the least noisy).
+One run measures side by side (bundled SmolLM2-135M, fp32 weights, greedy, EOS ignored,
+``--threads`` torch threads) and reports each figure as a ratio next to its goal (issue 11):
 
-Prefill tok/s = prompt tokens / time to the first new token; decode tok/s = the other N-1
-tokens / their time (transformers: timed with a streamer on its generate loop; ours: the
-Generator's own counters). Then the aggregate decode throughput of ours with 1, 4 and 16
-sequences decoding together in one cache (distinct 16-token prompts).
+1. grid: B distinct prompts of C tokens decoding together (B = 1, 4, 16; C = 1k, 2k; prompt i
+   is the i-th C-token window of the Debian license texts, never a copy), per codec
+   (fp32 fp16 int8 int4 kivi4 turbo4): aggregate decode tok/s. Goals: 16x1k fp32 >= 4x 1x1k
+   fp32; at 16x1k and 16x2k int8 >= 1.10x fp32, int4 and kivi4 >= 1.15x, turbo4 >= 0.9x.
+2. long: one sequence at 7.5k tokens (SmolLM2's context is 8k), fp32 / int8 / kivi4.
+   Goal: int8 and kivi4 >= 1.0x fp32.
+3. floor: 1 / (short-context step + fp32 K/V bytes at 7.5k / read bandwidth); the step (a
+   16-token prompt), the bandwidth (a torch sum over 400 MB) and the 7.5k rates all come from
+   one worker. Goal: fp32 at 7.5k >= 85 % of it.
+4. attention: ``CausalCache.attention`` alone, one decode row over an 8k history (SmolLM2's
+   shapes and RoPE, random K/V), per codec: stored bytes (``memory_usage_bytes()`` per layer,
+   fp16 windows included) read per second, as a fraction of the bandwidth measured in the
+   same worker. The calls go round SmolLM2's 30 layers, so each finds its K/V in memory and
+   not in the CPU cache (one fp32 layer at 8k is 12.6 MB), as in a decode step.
+   Goal: fp32 >= 70 %.
+5. transformers ``generate`` with DynamicCache / StaticCache vs ours fp32, one sequence, the
+   16-token and the first grid prompt (``same``: greedy tokens in common).
 
-    .venv/bin/python benchmarks/decode.py            # prompts 16, 1k, 4k; 128 new; 1/4/16 seqs
-    .venv/bin/python benchmarks/decode.py --quick    # prompts 16, 1k; 32 new; 1/4 seqs
+Rates come from the Generator's own counters: per step, the change of ``stats.decode_seconds``.
+Only decode-only steps in which all B sequences decode count (one whose prompt ends early
+decodes during the others' prefill chunks); the first ``--warm`` are dropped and the rate is
+B / the median step (a median ignores a burst of load on a shared machine). Prefill tok/s is
+the same run's ``stats.prefill_rate``. Every codec and batch is warmed up before it is timed.
+Workers, one subprocess each: attention; long + floor; one per grid context (its batches and
+codecs in turn, one cache at a time); one per transformers measurement.
 
-Writes benchmarks/results/decode.json and, with matplotlib, decode.png.
-Goals (issue 3): decode >= 1.3x DynamicCache at 1k and >= 1.5x at 4k; 16 sequences >= 6x the
-aggregate tokens/s of one; peak RSS no higher than transformers'.
+    python benchmarks/decode.py            # the issue-11 grid: ~400k prompt tokens to prefill
+    python benchmarks/decode.py --quick    # 1 and 16 x 1k, one sequence at 4k: ~120k
+    python benchmarks/decode.py --codecs fp32 int8 --batches 1 16 --contexts 1024 --no-hf
+
+Run it on a quiet machine: with other processes on the cores, every parallel region of two
+threads waits for a descheduled thread, and steps slow down many times, unevenly per codec.
+Writes benchmarks/results/decode.json (``--quick``: decode_quick.json) and the PNG beside it:
+aggregate tok/s against batch size and against prompt length, a line per codec.
 """
 
 from __future__ import annotations
@@ -25,78 +44,192 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvcache.kernels.build import extension
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS,
     agreement,
     hf_checkpoint,
+    license_tokens,
+    read_bandwidth,
     spawn_worker,
     table,
     token_clock,
     write_json,
 )
 
-SYSTEMS = ("ours", "hf-dynamic", "hf-static")
-PROMPT_SEED = 1234
+CODECS = ("fp32", "fp16", "int8", "int4", "kivi4", "turbo4")
+LONG_CODECS = ("fp32", "int8", "kivi4")
+HF_SYSTEMS = ("hf-dynamic", "hf-static")
+SHORT = 16  # prompt tokens of the short-context step
+# goals (issue 11): codec vs fp32 at the largest batch; codec vs fp32, one sequence at the
+# long context; largest batch vs one sequence (fp32); shares of the floor and the bandwidth
+CODEC_GOALS = {"int8": 1.10, "int4": 1.15, "kivi4": 1.15, "turbo4": 0.90}
+LONG_GOALS = {"int8": 1.0, "kivi4": 1.0}
+BATCH_GOAL, FLOOR_GOAL, ATTENTION_GOAL = 4.0, 0.85, 0.70
+PRESETS: dict[str, dict[str, Any]] = {  # steps: timed decode steps, warm: dropped before
+    "full": {
+        "batches": [1, 4, 16],
+        "contexts": [1024, 2048],
+        "long": 7680,
+        "history": 8192,
+        "steps": 24,
+        "warm": 3,
+    },
+    "quick": {
+        "batches": [1, 16],
+        "contexts": [1024],
+        "long": 4096,
+        "history": 4096,
+        "steps": 8,
+        "warm": 2,
+    },
+}
+STYLES = ("-", "--", ":", "-.")  # plot lines of one codec
+QUIET_LOAD = 0.5  # 1-minute load average above which the machine was not quiet
 
 
-def prompt_ids(length: int, index: int = 0) -> list[int]:
-    """A deterministic prompt of ordinary vocabulary ids (no special tokens)."""
-    g = torch.Generator().manual_seed(PROMPT_SEED + index)
-    return torch.randint(100, 49000, (length,), generator=g).tolist()
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-# ---- workers (run in a subprocess each) ------------------------------------------------
-def worker_ours(length: int, new: int, parallel: int, repeats: int) -> dict[str, Any]:
-    """Our Generator: `parallel` prompts of `length` tokens, `new` tokens each."""
+# ---- measurements (inside a worker) --------------------------------------------------
+def decode(model: Any, prompts: list[list[int]], codec: str, args: argparse.Namespace) -> dict:
+    """Prefill ``prompts`` together, then decode; rates from the Generator's counters."""
     from kvcache.generate import GenerationConfig, Generator
-    from kvcache.models.llama import Llama
 
-    model = Llama.from_gguf(dtype=torch.float32)
-
-    def once(n_new: int, prompt_len: int) -> tuple[float, float, list[int]]:
-        gen = Generator(model, capacity=prompt_len + n_new, max_sequences=parallel, max_batch=512)
-        cfg = GenerationConfig(max_new_tokens=n_new, ignore_eos=True)
-        ids = gen.add_many([prompt_ids(prompt_len, i) for i in range(parallel)], cfg)
-        for _ in gen.run():
-            pass
-        s = gen.stats
-        gen.close()
-        return s.prefill_rate, s.decode_rate, gen.results[ids[0]].tokens
-
-    once(4, 8)  # warm-up
-    runs = [once(new, length) for _ in range(repeats)]
+    b, n = len(prompts), max(len(p) for p in prompts)
+    warm_up(model, b, codec, args.max_batch)
+    mixed = -(-b * n // (args.max_batch - b)) + 1  # steps with prompt rows, at most
+    new = args.warm + args.steps + mixed
+    gen = Generator(model, capacity=n + new, max_sequences=b, max_batch=args.max_batch, codec=codec)
+    first = gen.add_many(prompts, GenerationConfig(max_new_tokens=new, ignore_eos=True))[0]
+    s, steps = gen.stats, []
+    while gen.busy and (b == 1 or len(steps) < args.warm + args.steps):  # 1: its tokens
+        prefilled, decoded, seconds = s.prefill_tokens, s.decode_tokens, s.decode_seconds
+        gen.step()
+        if s.prefill_tokens == prefilled and s.decode_tokens - decoded == b:
+            steps.append(s.decode_seconds - seconds)
+    gen.close()
+    timed = steps[args.warm : args.warm + args.steps]
+    assert len(timed) == args.steps, (
+        f"{len(steps)} full decode steps, need {args.warm}+{args.steps}"
+    )
     return {
-        "prefill_tok_s": max(r[0] for r in runs),
-        "decode_tok_s": max(r[1] for r in runs),
-        "tokens": runs[0][2],
+        "prefill_tok_s": s.prefill_rate,
+        "decode_tok_s": b / statistics.median(timed),
+        "decode_tok_s_mean": b * len(timed) / sum(timed),
+        "step_ms": [round(t * 1e3, 2) for t in timed],
+        "tokens": gen.results[first].tokens if first in gen.results else [],
     }
 
 
-def worker_hf(length: int, new: int, static: bool, repeats: int, hf_dir: str) -> dict[str, Any]:
-    """transformers generate, greedy, DynamicCache or StaticCache (eager)."""
+def warm_up(model: Any, batch: int, codec: str, max_batch: int) -> None:
+    """A few short steps with this codec and batch: first-call costs stay out of the timing."""
+    from kvcache.generate import GenerationConfig, Generator
+
+    gen = Generator(model, capacity=40, max_sequences=batch, max_batch=max_batch, codec=codec)
+    gen.add_many([[100 + i] * 32 for i in range(batch)], GenerationConfig(4, ignore_eos=True))
+    for _ in gen.run():
+        pass
+    gen.close()
+
+
+def attention_op(codec: str, args: argparse.Namespace) -> dict[str, float]:
+    """``cache.attention`` for one decode row over a ``--history`` of random K/V, every
+    layer in turn; the median call and the stored bytes per layer it reads. ``"turbo4@post"``:
+    keys quantized after RoPE (``CausalCache(key_rope=...)``)."""
+    from kvcache import Batch, CausalCache
+    from kvcache.models.llama import LlamaConfig
+    from kvcache.models.rope import Rope
+    from kvcache.weights.gguf import GGUFFile, smollm2_path
+
+    cfg = LlamaConfig.from_gguf(GGUFFile(smollm2_path()))
+    n, layers, kv, d = args.history, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    rope = Rope(d, cfg.rope_theta)
+    name, _, key_rope = codec.partition("@")
+    cache = CausalCache(
+        n + args.warm + args.steps, shift=rope, codec=name, key_rope=key_rope or None
+    )
+    g = torch.Generator().manual_seed(0)
+    cache.start_forward(Batch.single(0, 0, n))
+    for layer in range(layers):
+        cache.put(layer, torch.randn(n, kv, d, generator=g), torch.randn(n, kv, d, generator=g))
+    q = torch.randn(1, cfg.num_heads, d, generator=g)  # q: [1, Hq, D]
+    k, v = torch.randn(2, 1, kv, d, generator=g)  # k, v: [1, Hkv, D]
+    times = []
+    for i in range(args.warm + args.steps):
+        cache.start_forward(Batch.single(0, n + i, 1))
+        for layer in range(layers):
+            start = time.perf_counter()
+            cache.attention(layer, q, k, v)
+            times.append(time.perf_counter() - start)
+    stored = cache.memory_usage_bytes() / layers
+    cache.close()
+    seconds = statistics.median(times[args.warm * layers :])
+    return {"bytes_per_layer": stored, "call_us": seconds * 1e6, "gb_s": stored / seconds / 1e9}
+
+
+# ---- workers (a subprocess each) -----------------------------------------------------
+def worker_grid(args: argparse.Namespace, tokens: list[int]) -> dict[str, Any]:
+    """Every batch and codec at one context: B windows of the texts decoding together."""
+    model = load_model()
+    c, rows = args.context, []
+    for b in args.batches:
+        prompts = [tokens[i * c : (i + 1) * c] for i in range(b)]  # distinct windows
+        for codec in args.codecs:
+            rows.append(
+                {"codec": codec, "batch": b, "context": c, **decode(model, prompts, codec, args)}
+            )
+            progress(rows[-1])
+    return {"rows": rows}
+
+
+def worker_long(args: argparse.Namespace, tokens: list[int]) -> dict[str, Any]:
+    """The short step (fp32), then one sequence at the long context per codec, between two
+    read bandwidth measurements (the best kept)."""
+    model = load_model()
+    bandwidth = [read_bandwidth()]
+    rows = []
+    for codec, n in [("fp32", SHORT), *[(codec, args.long) for codec in args.long_codecs]]:
+        rows.append({"codec": codec, "batch": 1, "context": n})
+        rows[-1] |= decode(model, [tokens[:n]], codec, args)
+        progress(rows[-1])
+    bandwidth.append(read_bandwidth())
+    c = model.config
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # fp32 K and V
+    return {"rows": rows, "bandwidth": max(bandwidth), "fp32_kv_per_token": kv_per_token}
+
+
+def worker_attention(args: argparse.Namespace) -> dict[str, Any]:
+    """The attention op per codec, each after a bandwidth measurement (the best one kept)."""
+    rows, bandwidth = [], []
+    for codec in args.codecs:
+        bandwidth.append(read_bandwidth())
+        rows.append({"codec": codec, "history": args.history, **attention_op(codec, args)})
+        print(f"  attention {codec:7} {rows[-1]['gb_s']:6.1f} GB/s", file=sys.stderr, flush=True)
+    bandwidth.append(read_bandwidth())
+    return {"rows": rows, "bandwidth": max(bandwidth)}
+
+
+def worker_hf(args: argparse.Namespace, tokens: list[int]) -> dict[str, Any]:
+    """transformers generate, greedy, DynamicCache or StaticCache (eager); median step."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32)
+    new = args.warm + args.steps + 1
+    kwargs: dict[str, Any] = (
+        {"cache_implementation": "static"} if args.worker == "hf-static" else {}
+    )
 
-    def once(n_new: int, prompt_len: int) -> tuple[float, float, list[int]]:
-        ids = torch.tensor([prompt_ids(prompt_len)])
+    def once(ids: torch.Tensor, n_new: int) -> tuple[list[float], list[int]]:
         clock = token_clock()
-        kwargs: dict[str, Any] = {"cache_implementation": "static"} if static else {}
-        start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
                 ids,
@@ -108,209 +241,329 @@ def worker_hf(length: int, new: int, static: bool, repeats: int, hf_dir: str) ->
                 streamer=clock,
                 **kwargs,
             )
-        end = time.perf_counter()
-        first = clock.times[1]  # times[0]: the prompt, put before any forward
-        prefill = prompt_len / (first - start)
-        decode = (n_new - 1) / (end - first)
-        return prefill, decode, out[0, prompt_len:].tolist()
+        return clock.times, out[0, ids.shape[1] :].tolist()
 
-    once(4, 8)
-    runs = [once(new, length) for _ in range(repeats)]
+    once(torch.tensor([tokens[:8]]), 4)  # warm-up
+    start = time.perf_counter()
+    times, out = once(torch.tensor([tokens[: args.context]]), new)
+    steps = [b - a for a, b in zip(times[1:], times[2:], strict=False)][args.warm :]
     return {
-        "prefill_tok_s": max(r[0] for r in runs),
-        "decode_tok_s": max(r[1] for r in runs),
-        "tokens": runs[0][2],
-    }
+        "prefill_tok_s": args.context / (times[1] - start),
+        "tokens": out,
+        "decode_tok_s": 1 / statistics.median(steps),
+    }  # times[0]: the prompt
+
+
+def load_model() -> Any:
+    from kvcache.models.llama import Llama
+
+    return Llama.from_gguf(dtype=torch.float32)
+
+
+def progress(row: dict[str, Any]) -> None:
+    print(
+        f"  {row['codec']:7} {row['batch']:2} x {row['context']:5}: prefill "
+        f"{row['prefill_tok_s']:6.0f} tok/s, decode {row['decode_tok_s']:6.1f} tok/s "
+        f"(load {os.getloadavg()[0]:.1f})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    if args.worker == "ours":
-        result = worker_ours(args.length, args.new_tokens, args.parallel, args.repeats)
-    else:
-        static = args.worker == "hf-static"
-        result = worker_hf(args.length, args.new_tokens, static, args.repeats, args.hf_dir)
-    result["peak_rss_mib"] = peak_rss_mib()
+    tokens: list[int] = json.loads(Path(args.tokens).read_text()) if args.tokens else []
+    workers = {
+        "grid": lambda: worker_grid(args, tokens),
+        "long": lambda: worker_long(args, tokens),
+        "attention": lambda: worker_attention(args),
+    }
+    result = workers[args.worker]() if args.worker in workers else worker_hf(args, tokens)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 # ---- driver ----------------------------------------------------------------------------
-def measure(system: str, length: int, parallel: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One worker subprocess; its RESULT line parsed."""
-    worker_args = [
-        "--worker",
-        system,
-        "--length",
-        str(length),
-        "--new-tokens",
-        str(args.new_tokens),
-    ]
-    worker_args += ["--parallel", str(parallel), "--threads", str(args.threads)]
-    worker_args += ["--repeats", str(args.repeats), "--hf-dir", str(args.hf_dir)]
-    return spawn_worker(__file__, worker_args, args.threads, f"{system} L={length}")
-
-
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="Each measurement runs in its own subprocess; see the module docstring.",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="prompts 16, 1k; 32 new; 1/4 seqs")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths")
-    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (128)")
-    parser.add_argument("--parallel-list", type=int, nargs="+", default=None, help="1 4 16")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (2)")
+    sizes = PRESETS["full"]
+    parser.add_argument("--quick", action="store_true", help="a few minutes: see above")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="rounds over all configurations, best kept (2)"
+        "--codecs",
+        nargs="+",
+        choices=CODECS,
+        default=list(CODECS),
+        metavar="CODEC",
+        help=f"cache codecs, fp32 first ({' '.join(CODECS)})",
     )
+    parser.add_argument("--batches", type=int, nargs="+", help=f"grid batches {sizes['batches']}")
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", help=f"grid prompt tokens {sizes['contexts']}"
+    )
+    parser.add_argument("--long", type=int, help=f"one sequence's prompt ({sizes['long']})")
+    parser.add_argument("--history", type=int, help=f"attention history ({sizes['history']})")
+    parser.add_argument("--steps", type=int, help=f"timed decode steps ({sizes['steps']})")
+    parser.add_argument("--warm", type=int, help=f"decode steps dropped first ({sizes['warm']})")
+    parser.add_argument("--max-batch", type=int, default=2048, help="tokens per forward (2048)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (2)")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument(
         "--hf-dir",
         type=Path,
         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
         / "kvcache"
         / "smollm2-hf",
-        help="converted transformers checkpoint (made once)",
+        help="transformers checkpoint converted from the GGUF (made once)",
     )
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, default=16, help=argparse.SUPPRESS)
-    parser.add_argument("--parallel", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--repeats", type=int, default=1, help=argparse.SUPPRESS)
-    return parser.parse_args()
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--context", type=int, default=SHORT, help=argparse.SUPPRESS)
+    parser.add_argument("--long-codecs", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for key, value in PRESETS["quick" if args.quick else "full"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.max_batch <= max(args.batches):
+        parser.error(f"--max-batch {args.max_batch} must exceed the largest batch")
+    return args
 
 
-def best(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Fastest rates and the largest peak RSS over a configuration's samples."""
+def jobs(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(worker, context) in the order they run."""
+    out = [("attention", 0), ("long", 0), *[("grid", c) for c in args.contexts]]
+    if not args.no_hf:
+        out += [(s, length) for length in (SHORT, args.contexts[0]) for s in HF_SYSTEMS]
+    return out
+
+
+def measure(worker: str, context: int, args: argparse.Namespace, tokens: Path) -> dict[str, Any]:
+    """One worker subprocess (its progress lines go to our stderr); its result."""
+    long_codecs = [c for c in LONG_CODECS if c in args.codecs]
+    argv = ["--worker", worker, "--context", str(context), "--tokens", str(tokens)]
+    argv += ["--codecs", *args.codecs, "--long-codecs", *long_codecs]
+    argv += ["--batches", *map(str, args.batches), "--contexts", *map(str, args.contexts)]
+    for key in ("long", "history", "steps", "warm", "max_batch", "threads", "hf_dir"):
+        argv += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+    print(f"{worker} {context or ''} (load {os.getloadavg()[0]:.1f})", flush=True)
+    return spawn_worker(__file__, argv, args.threads, f"{worker} {context}", echo=True)
+
+
+def write_tokens(args: argparse.Namespace, folder: Path) -> Path:
+    """The license texts' tokens, tokenized once for every worker."""
+    from kvcache.text.tokenizer import Tokenizer
+
+    count = max(max(args.batches) * max(args.contexts), args.long, SHORT)
+    path = folder / "tokens.json"
+    path.write_text(json.dumps(license_tokens(Tokenizer.from_gguf(), count)))
+    return path
+
+
+# ---- report ----------------------------------------------------------------------------
+Rates = dict[tuple[str, int, int], float]  # (codec, batch, context) -> decode tok/s
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def goal_row(figure: str, value: float | None, goal: float) -> dict[str, Any]:
+    status = "not measured" if value is None else ("met" if value >= goal else "missed")
+    shown = "-" if value is None else value
+    return {"figure": figure, "value": shown, "goal": f">= {goal:g}", "status": status}
+
+
+def goals(args: argparse.Namespace, rate: Rates, floor: dict, attn: list[dict]) -> list[dict]:
+    """Every goal of the issue with its value (the first grid context, the largest batch)."""
+    c0, top, long = args.contexts[0], max(args.batches), args.long
+    scaling = ratio(rate.get(("fp32", top, c0)), rate.get(("fp32", 1, c0)))
+    rows = [goal_row(f"{top}x{c0} fp32 / 1x{c0} fp32", scaling, BATCH_GOAL)]
+    for c in args.contexts:
+        for codec, goal in CODEC_GOALS.items():
+            value = ratio(rate.get((codec, top, c)), rate.get(("fp32", top, c)))
+            rows.append(goal_row(f"{top}x{c} {codec} / fp32", value, goal))
+    for codec, goal in LONG_GOALS.items():
+        value = ratio(rate.get((codec, 1, long)), rate.get(("fp32", 1, long)))
+        rows.append(goal_row(f"1x{long} {codec} / fp32", value, goal))
+    figure = f"1x{long} fp32 / floor {floor['floor_tok_s']:.1f} tok/s"
+    rows.append(goal_row(figure, floor["fraction"], FLOOR_GOAL))
+    fp32 = [r["of_bandwidth"] for r in attn if r["codec"] == "fp32"]
+    figure = f"attention fp32 at {args.history} / bandwidth"
+    rows.append(goal_row(figure, fp32[0] if fp32 else None, ATTENTION_GOAL))
+    return rows
+
+
+def floor_of(args: argparse.Namespace, long: dict[str, Any], rate: Rates) -> dict[str, Any]:
+    """1 / (short step + fp32 K/V bytes at the long context / bandwidth), and fp32's share."""
+    step = 1 / rate[("fp32", 1, SHORT)]
+    context = args.long + args.warm + (args.steps + 1) / 2  # mean history of the timed steps
+    kv = long["fp32_kv_per_token"] * context
+    floor = 1 / (step + kv / long["bandwidth"])
     return {
-        "prefill_tok_s": max(r["prefill_tok_s"] for r in samples),
-        "decode_tok_s": max(r["decode_tok_s"] for r in samples),
-        "peak_rss_mib": max(r["peak_rss_mib"] for r in samples),
-        "tokens": samples[0]["tokens"],
+        "short_step_ms": step * 1e3,
+        "bandwidth_gb_s": long["bandwidth"] / 1e9,
+        "fp32_kv_bytes": kv,
+        "floor_tok_s": floor,
+        "fraction": ratio(rate.get(("fp32", 1, args.long)), floor),
     }
 
 
-def main() -> int:
-    args = parse_args()
-    if args.worker:
-        run_worker(args)
-        return 0
-    lengths = args.lengths or ([16, 1024] if args.quick else [16, 1024, 4096])
-    args.new_tokens = args.new_tokens or (32 if args.quick else 128)
-    parallels = args.parallel_list or ([1, 4] if args.quick else [1, 4, 16])
-    rounds = args.rounds or (1 if args.quick else 2)
-    hf_checkpoint(args.hf_dir)
-    load_before = os.getloadavg()
+def pivot(runs: list[dict[str, Any]], key: str, rate: Rates) -> list[dict[str, Any]]:
+    """A line per codec, a column per batch x prompt tokens (decode: x fp32 beside)."""
+    lines: dict[str, dict[str, Any]] = {}
+    for r in sorted(runs, key=lambda r: (r["context"], r["batch"])):
+        text = f"{r[key]:.1f}"
+        fp32 = rate.get(("fp32", r["batch"], r["context"]))
+        if key == "decode_tok_s" and r["codec"] != "fp32" and fp32:
+            text += f" ({r[key] / fp32:.2f}x)"
+        lines.setdefault(r["codec"], {"codec": r["codec"]})[f"{r['batch']}x{r['context']}"] = text
+    return list(lines.values())
 
-    # every round measures every configuration once: samples of one system spread over time,
-    # so a burst of load on this shared machine does not hit one system only
-    configs = [(system, length, 1) for length in lengths for system in SYSTEMS]
-    configs += [("ours", 16, n) for n in parallels]
-    samples: dict[tuple[str, int, int], list[dict[str, Any]]] = {c: [] for c in configs}
-    for r in range(rounds):
-        for system, length, n in configs:
-            sample = measure(system, length, n, args)
-            samples[(system, length, n)].append(sample)
-            print(
-                f"round {r + 1}/{rounds}: {system:10} prompt={length:5} seqs={n:2}: prefill "
-                f"{sample['prefill_tok_s']:7.1f} tok/s, decode {sample['decode_tok_s']:6.1f} "
-                f"tok/s, peak RSS {sample['peak_rss_mib']:.0f} MiB (load {os.getloadavg()[0]:.1f})",
-                flush=True,
-            )
-    results = {c: best(v) for c, v in samples.items()}
 
-    rows: list[dict[str, Any]] = []
-    for length in lengths:
-        base = results[("hf-dynamic", length, 1)]
-        for system in SYSTEMS:
-            res = results[(system, length, 1)]
+def hf_rows(ours: dict[int, dict], hf: dict[tuple[str, int], dict]) -> list[dict[str, Any]]:
+    """Ours fp32 and transformers, one sequence per prompt length, vs DynamicCache."""
+    rows = []
+    for length, mine in sorted(ours.items()):
+        base = hf.get(("hf-dynamic", length))
+        systems = [("ours-fp32", mine), *[(s, hf.get((s, length))) for s in HF_SYSTEMS]]
+        for system, r in systems:
+            if r is None or base is None:
+                continue
             rows.append(
                 {
                     "system": system,
                     "prompt": length,
-                    "prefill_tok_s": res["prefill_tok_s"],
-                    "decode_tok_s": res["decode_tok_s"],
-                    "vs_dynamic": res["decode_tok_s"] / base["decode_tok_s"],
-                    "peak_rss_mib": res["peak_rss_mib"],
-                    "same_greedy_tokens": agreement(res["tokens"], base["tokens"]),
+                    "prefill_tok_s": r["prefill_tok_s"],
+                    "decode_tok_s": r["decode_tok_s"],
+                    "vs_dynamic": r["decode_tok_s"] / base["decode_tok_s"],
+                    "same_greedy_tokens": agreement(r["tokens"], base["tokens"]),
                 }
             )
-    one = results[("ours", 16, parallels[0])]["decode_tok_s"]
-    parallel_rows = [
-        {
-            "sequences": n,
-            "aggregate_decode_tok_s": results[("ours", 16, n)]["decode_tok_s"],
-            "vs_one": results[("ours", 16, n)]["decode_tok_s"] / one,
-            "peak_rss_mib": results[("ours", 16, n)]["peak_rss_mib"],
-        }
-        for n in parallels
-    ]
-    load_after = os.getloadavg()
-    print()
-    print(
-        f"SmolLM2-135M float32, {args.threads} threads, {args.new_tokens} new tokens, greedy, "
-        f"best of {rounds} rounds (load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
-        f"on {os.cpu_count()} cores)"
-    )
-    print(table(rows, list(rows[0])))
-    print()
-    print(table(parallel_rows, list(parallel_rows[0])))
-    path = write_json(
-        "decode",
-        {
-            "new_tokens": args.new_tokens,
-            "threads_requested": args.threads,
-            "rounds": rounds,
-            "quick": args.quick,
-            # this machine is shared: the 1-minute load average says how quiet it was
-            "loadavg_before_after": [load_before[0], load_after[0]],
-            "rows": rows,
-            "parallel": parallel_rows,
-            "samples": [
-                {
-                    "system": c[0],
-                    "prompt": c[1],
-                    "sequences": c[2],
-                    "runs": [{k: x for k, x in run.items() if k != "tokens"} for run in v],
-                }
-                for c, v in samples.items()
-            ],
+    return rows
+
+
+def report(args: argparse.Namespace, results: dict[tuple[str, int], Any]) -> dict[str, Any]:
+    """The tables (each a list of rows) and the figures behind them."""
+    grid = [r for (w, _), res in results.items() if w == "grid" for r in res["rows"]]
+    long, attn = results[("long", 0)], results[("attention", 0)]
+    for r in attn["rows"]:
+        r["of_bandwidth"] = r["gb_s"] * 1e9 / attn["bandwidth"]
+    runs = grid + long["rows"]
+    rate = {(r["codec"], r["batch"], r["context"]): r["decode_tok_s"] for r in runs}
+    floor = floor_of(args, long, rate)
+    ours = {
+        r["context"]: r
+        for r in runs
+        if (r["codec"], r["batch"]) == ("fp32", 1) and r["context"] in (SHORT, args.contexts[0])
+    }
+    hf = {key: res for key, res in results.items() if key[0] in HF_SYSTEMS}
+    return {
+        "tables": {
+            "decode": pivot(runs, "decode_tok_s", rate),
+            "prefill": pivot(runs, "prefill_tok_s", rate),
+            "attention": attn["rows"],
+            "transformers": hf_rows(ours, hf),
+            "goals": goals(args, rate, floor, attn["rows"]),
         },
+        "floor": floor,
+        "attention_bandwidth_gb_s": attn["bandwidth"] / 1e9,
+        "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return 0
+    print(f"kernels: {extension().__file__}")  # built once, outside every worker
+    if not args.no_hf:
+        hf_checkpoint(args.hf_dir)
+    load_before, started = os.getloadavg(), time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        tokens = write_tokens(args, Path(folder))
+        results = {(w, c): measure(w, c, args, tokens) for w, c in jobs(args)}
+    minutes, load_after = (time.perf_counter() - started) / 60, os.getloadavg()
+    out = report(args, results)
+    floor, bandwidth = out["floor"], out["attention_bandwidth_gb_s"]
+    titles = {
+        "decode": "aggregate decode tok/s (x fp32 at the same shape); columns: batch x prompt",
+        "prefill": "prefill tok/s",
+        "attention": f"cache.attention alone, one decode row, {args.history}-token history, "
+        f"SmolLM2 shapes, all layers in turn (read bandwidth {bandwidth:.1f} GB/s)",
+        "transformers": "ours fp32 vs transformers generate, one sequence",
+        "goals": f"goals (floor = 1 / ({floor['short_step_ms']:.1f} ms step + "
+        f"{floor['fp32_kv_bytes'] / 1e6:.0f} MB / {floor['bandwidth_gb_s']:.1f} GB/s))",
+    }
+    print(
+        f"\nSmolLM2-135M fp32 weights, threads={args.threads}, greedy; median of {args.steps} "
+        f"decode steps after {args.warm}; {minutes:.1f} min, load average "
+        f"{load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores"
     )
+    if load_before[0] > QUIET_LOAD:
+        print("WARNING: the machine was busy before the run; these are not final figures")
+    for name, rows in out["tables"].items():
+        if rows:
+            columns = list(dict.fromkeys(k for r in rows for k in r))
+            print(f"\n{titles[name]}\n{table(rows, columns)}")
+    settings = {k: getattr(args, k) for k in ("threads", "warm", "steps", "max_batch", "quick")}
+    # this machine is shared: the 1-minute load average says how quiet it was
+    load = {"minutes": minutes, "loadavg_before_after": [load_before[0], load_after[0]]}
+    path = write_json("decode_quick" if args.quick else "decode", {**settings, **load, **out})
     print(f"\nwrote {path}")
     if not args.no_plot:
-        plot(rows, parallel_rows, RESULTS / "decode.png")
+        plot([r for r in out["runs"] if r["context"] != SHORT], path.with_suffix(".png"))
     return 0
 
 
-def plot(rows: list[dict[str, Any]], parallel_rows: list[dict[str, Any]], path: Path) -> None:
-    """Decode tok/s per prompt length per system, and aggregate tok/s per sequence count."""
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Aggregate decode tok/s against batch size (a line style per prompt length) and
+    against prompt length (the largest batch and one sequence); a colour per codec."""
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no plot")
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
         return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for system in SYSTEMS:
-        pts = [(r["prompt"], r["decode_tok_s"]) for r in rows if r["system"] == system]
-        left.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=system)
-    left.set_xscale("log", base=2)
-    left.set_xlabel("prompt tokens")
-    left.set_ylabel("decode tokens/s")
-    left.set_title("SmolLM2-135M fp32 decode, batch 1")
-    left.legend()
-    right.bar(
-        [str(r["sequences"]) for r in parallel_rows],
-        [r["aggregate_decode_tok_s"] for r in parallel_rows],
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_batch, by_length) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = dict(zip(CODECS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    batched = {r["context"] for r in runs if r["batch"] > 1}  # grid contexts
+    lengths, top = sorted(batched), max(r["batch"] for r in runs)
+    for codec, colour in colours.items():
+        mine = [r for r in runs if r["codec"] == codec]
+        for i, n in enumerate(lengths):
+            pts = [(r["batch"], r["decode_tok_s"]) for r in mine if r["context"] == n]
+            curve(by_batch, pts, STYLES[i], colour, codec if i == 0 else None)
+        for i, b in enumerate(dict.fromkeys((top, 1))):
+            pts = [(r["context"], r["decode_tok_s"]) for r in mine if r["batch"] == b]
+            curve(by_length, pts, STYLES[i], colour, codec if i == 0 else None)
+    keys = ", ".join(f"'{s}' {n}" for s, n in zip(STYLES, lengths, strict=False))
+    by_batch.set(
+        xlabel="sequences decoding together (distinct prompts)", title=f"prompt tokens: {keys}"
     )
-    right.set_xlabel("sequences decoding together (ours)")
-    right.set_ylabel("aggregate decode tokens/s")
-    right.set_title("one cache, one forward per step")
+    by_length.set(xlabel="prompt tokens", title=f"'-' {top} sequences, '--' 1 sequence")
+    ticks = {by_batch: {r["batch"] for r in runs}, by_length: {r["context"] for r in runs}}
+    for ax, xs in ticks.items():
+        ax.set(xscale="log", ylabel="aggregate decode tok/s")
+        ax.set_xticks(sorted(xs), [str(x) for x in sorted(xs)])
+        ax.minorticks_off()
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle("SmolLM2-135M decode on the cell cache, per codec (fp32 weights)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+def curve(
+    ax: Any, pts: list[tuple[float, float]], style: str, colour: str, name: str | None
+) -> None:
+    if pts:
+        xs, ys = zip(*sorted(pts), strict=True)
+        ax.plot(xs, ys, style, marker="o", color=colour, label=name)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, table, write_json  # noqa: E402
+from common import RESULTS, license_tokens, table, write_json  # noqa: E402
 from kvcache import Batch, CausalCache  # noqa: E402
 from kvcache.codecs import make_codec  # noqa: E402
 from kvcache.models.llama import Llama  # noqa: E402
@@ -52,17 +52,7 @@ CODECS = [
     "turbo3",
     "turbo3:key_bits=3,value_bits=3",
 ]
-LICENSES = Path("/usr/share/common-licenses")
 WINDOW, PREFILL, CHUNK = 2048, 1024, 64
-
-
-def license_tokens(tokenizer: Tokenizer, count: int) -> list[int]:
-    files = sorted(p for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
-    text = "".join(p.read_text(errors="replace") for p in files)
-    ids = tokenizer.encode(text, add_bos=False)
-    if len(ids) < count:
-        raise SystemExit(f"only {len(ids)} tokens in {LICENSES}, need {count}")
-    return ids[:count]
 
 
 def parse(spec: str) -> dict[str, str | None]:

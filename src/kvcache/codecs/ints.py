@@ -20,7 +20,7 @@ import torch
 
 from kvcache.codecs.base import AFFINE_ROWS, INT8, Buffer, Codec, Layout, grown
 from kvcache.codecs.pack import pack, unpack, unpack4
-from kvcache.codecs.window import WindowedBuffer
+from kvcache.codecs.window import CentredBuffer, WindowedBuffer
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
 from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
 
@@ -78,7 +78,7 @@ class Int8Codec(Codec):
         return heads * (dim + 2)
 
 
-class AffineRowsBuffer(WindowedBuffer):
+class AffineRowsBuffer(CentredBuffer):
     """b-bit asymmetric codes with an fp16 scale and minimum per group of channels."""
 
     def __init__(
@@ -93,29 +93,20 @@ class AffineRowsBuffer(WindowedBuffer):
         group = min(codec.group, dim)  # a head narrower than a group is one group
         if dim % group or (dim * codec.bits) % 8:
             raise DimensionMismatchError(f"a multiple of {group}", dim, f"{codec.name} head_dim")
-        super().__init__(n, heads, dim, windows, device)
+        super().__init__(n, heads, dim, windows, device, codec.centre)
         self.bits, self.group = codec.bits, group
         g = dim // group
         self.codes = torch.zeros((0, heads, dim * self.bits // 8), dtype=torch.uint8, device=device)
         self.scale = torch.zeros((0, heads, g), dtype=META, device=device)  # [N', H, D/G]
         self.low = torch.zeros((0, heads, g), dtype=META, device=device)  # [N', H, D/G]
-        self.centre = (
-            torch.zeros((0, heads, dim), dtype=META, device=device) if codec.centre else None
-        )
 
     def _allocate(self, rows: int) -> None:
         self.codes, self.scale, self.low = (
             grown(t, rows) for t in (self.codes, self.scale, self.low)
         )
 
-    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
-        if self.centre is not None:  # the sequence's key centre: the mean of its rows now
-            self.centre = self.meta_rows(self.centre)
-            self.centre[meta] = basis.mean(dim=0).to(META)
-
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
-        if self.centre is not None:
-            x = x - self.centre[self.index(metas).long()].float()
+        x = self.centred(x, metas)
         t, h, _ = x.shape
         levels = (1 << self.bits) - 1
         xg = x.reshape(t, h, -1, self.group)  # [T, H, D/G, G]
@@ -141,10 +132,7 @@ class AffineRowsBuffer(WindowedBuffer):
         xg = x.view(n, h, g, self.group)
         xg.mul_(self.scale[at].float().view(n, h, g, 1))
         xg.add_(self.low[at].float().view(n, h, g, 1))
-        if self.centre is not None:
-            meta = self.index(self.windows.meta_of[cells])
-            x.add_(self.centre[meta].float())
-        return x
+        return self.uncentred(x, cells)
 
     def layout(self) -> Layout:
         layout = Layout(
@@ -155,14 +143,10 @@ class AffineRowsBuffer(WindowedBuffer):
             bits=self.bits,
             group=self.group,
         )
-        if self.centre is not None:
-            layout.meta_of = torch.from_numpy(self.windows.meta_of)
-            layout.meta_a = self.centre
-        return self.window_layout(layout)
+        return self.centred_layout(layout)
 
     def _code_tensors(self) -> tuple[torch.Tensor, ...]:
-        extra = (self.centre,) if self.centre is not None else ()
-        return (self.codes, self.scale, self.low, *extra)
+        return (self.codes, self.scale, self.low, *self.centre_tensors())
 
 
 class AffineRowsCodec(Codec):

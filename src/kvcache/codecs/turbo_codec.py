@@ -1,5 +1,5 @@
 """TurboQuant codecs for the cell cache (``turbo4``, ``turbo3``): the quantizer of
-``kvcache.codecs.turbo`` applied per cell and head.
+``kvcache.codecs.quantizer`` applied per cell and head.
 
 Layout per layer (head h uses rotation seed ``seed + h``, as the compressed cache does)::
 
@@ -18,7 +18,7 @@ its values' norm in one byte (log-coded; at most 4.4 % off, next to the 2-bit co
 ~34 % relative error) so that K+V fit in 1/5 of fp16's bytes.
 
 Keys and values both spend all ``bits`` on the Lloyd–Max codebook (the module docstring of
-``turbo.py`` says why QJL loses). Keys are centred by their sequence's centre (the mean of
+``quantizer.py`` says why QJL loses). Keys are centred by their sequence's centre (the mean of
 its rows when it first seals one): any fixed offset round-trips, and cells are written out
 of order and shared by sequences. Keys are quantized before RoPE where the cache can
 (``pre_rope``): the centre of un-rotated keys holds at every position. Measured on SmolLM2
@@ -36,14 +36,14 @@ import numpy as np
 import torch
 
 from kvcache.codecs.base import TURBO, Buffer, Codec, Layout, grown
-from kvcache.codecs.turbo import SCALE_DTYPE, Encoded, HeadStack, TurboQuantizer, packed_width
-from kvcache.codecs.window import WindowedBuffer
+from kvcache.codecs.encoded import SCALE_DTYPE, Encoded
+from kvcache.codecs.pack import packed_width
+from kvcache.codecs.quantizer import HeadStack, TurboQuantizer
+from kvcache.codecs.window import CentredBuffer
 from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
 
-CENTRE = torch.float16
 
-
-class TurboBuffer(WindowedBuffer):
+class TurboBuffer(CentredBuffer):
     def __init__(
         self,
         n: int,
@@ -53,7 +53,7 @@ class TurboBuffer(WindowedBuffer):
         windows: Windows,
         device: torch.device,
     ) -> None:
-        super().__init__(n, heads, dim, windows, device)
+        super().__init__(n, heads, dim, windows, device, codec.keys)
         self.quantizers = [
             TurboQuantizer(dim, codec.bits, seed=codec.seed + h) for h in range(heads)
         ]
@@ -64,21 +64,12 @@ class TurboBuffer(WindowedBuffer):
         self.codes = torch.zeros((0, heads, width), dtype=torch.uint8, device=device)
         scale_dtype = torch.uint8 if codec.log_scale else SCALE_DTYPE
         self.scale = torch.zeros((0, heads, 1), dtype=scale_dtype, device=device)
-        self.centre = (
-            torch.zeros((0, heads, dim), dtype=CENTRE, device=device) if codec.keys else None
-        )
 
     def _allocate(self, rows: int) -> None:
         self.codes, self.scale = grown(self.codes, rows), grown(self.scale, rows)
 
-    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
-        if self.centre is not None:  # the sequence's key centre: the mean of its rows now
-            self.centre = self.meta_rows(self.centre)
-            self.centre[meta] = basis.mean(dim=0).to(CENTRE)
-
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
-        if self.centre is not None:
-            x = x - self.centre[self.index(metas).long()].float()
+        x = self.centred(x, metas)
         encoded = self.stack.encode(x.transpose(0, 1), None, self.keys)  # per head
         codes = torch.stack([e.codes for e in encoded], dim=1)  # [T, H, W]
         scale = torch.stack([e.scale for e in encoded], dim=1)  # [T, H, 1]
@@ -102,11 +93,7 @@ class TurboBuffer(WindowedBuffer):
                 torch.empty(n, 0, dtype=SCALE_DTYPE),
             )
             rows.append(q.decode_keys(enc) if self.keys else q.decode_values(enc))
-        x = torch.stack(rows, dim=1)  # [n, H, D] float32
-        if self.centre is not None:
-            meta = self.index(self.windows.meta_of[cells])
-            x.add_(self.centre[meta].float())
-        return x
+        return self.uncentred(torch.stack(rows, dim=1), cells)  # [n, H, D] float32
 
     def layout(self) -> Layout:
         book = self.quantizers[0].key_codebook if self.keys else self.quantizers[0].value_codebook
@@ -116,20 +103,16 @@ class TurboBuffer(WindowedBuffer):
             self.codes,
             scale=self.scale,
             centroids=book.centroids * (1.0 / math.sqrt(self.padded)),
-            signs=self.stack.signs,
-            rotation=self.stack.matrices if self.stack.matrices is not None else torch.empty(0),
+            signs=self.stack.rotations.signs,
+            rotation=_or_empty(self.stack.rotations.matrices),
             bits=self.bits,
             log_scale=self.log_scale,
             rotated=not self.keys,
         )
-        if self.centre is not None:
-            layout.meta_of = torch.from_numpy(self.windows.meta_of)
-            layout.meta_a = self.centre
-        return self.window_layout(layout)
+        return self.centred_layout(layout)
 
     def _code_tensors(self) -> tuple[torch.Tensor, ...]:
-        extra = (self.centre,) if self.centre is not None else ()
-        return (self.codes, self.scale, *extra)
+        return (self.codes, self.scale, *self.centre_tensors())
 
 
 class TurboCodec(Codec):
@@ -179,3 +162,7 @@ def _log_decode(code: torch.Tensor) -> torch.Tensor:
     c = code.float()
     s = torch.exp2((c - 1) / _LOG_STEPS + _LOG_MIN)
     return torch.where(code > 0, s, torch.zeros_like(s))
+
+
+def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
+    return t if t is not None else torch.empty(0)

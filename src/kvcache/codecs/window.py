@@ -180,3 +180,45 @@ class WindowedBuffer(Buffer):
                           dtype=t.dtype, device=t.device)  # fmt: skip
         out[: t.shape[0]] = t
         return out
+
+
+class CentredBuffer(WindowedBuffer):
+    """A windowed buffer whose rows may be encoded minus their sequence's key centre
+    (``centre``: fp16 [M, H, D], one record per sequence, the mean of its rows when it first
+    seals some; any fixed offset round-trips, and the kernels add it back per row)."""
+
+    def __init__(
+        self, n: int, heads: int, dim: int, windows: Windows, device: torch.device, centred: bool
+    ) -> None:
+        super().__init__(n, heads, dim, windows, device)
+        self.centre = (
+            torch.zeros((0, heads, dim), dtype=RESIDUAL, device=device) if centred else None
+        )
+
+    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
+        if self.centre is not None:  # the sequence's key centre: the mean of its rows now
+            self.centre = self.meta_rows(self.centre)
+            self.centre[meta] = basis.mean(dim=0).to(RESIDUAL)
+
+    def centred(self, x: torch.Tensor, metas: np.ndarray) -> torch.Tensor:
+        """Rows ``x`` [n, H, D] to encode, minus the centre of record ``metas[i]``."""
+        if self.centre is None:
+            return x
+        return x - self.centre[self.index(metas).long()].float()
+
+    def uncentred(self, x: torch.Tensor, cells: np.ndarray) -> torch.Tensor:
+        """Decoded rows ``x`` [n, H, D] of ``cells`` plus their centre (in place)."""
+        if self.centre is not None:
+            x.add_(self.centre[self.index(self.windows.meta_of[cells])].float())
+        return x
+
+    def centred_layout(self, layout: Layout) -> Layout:
+        """``layout`` with the centre records and each cell's record id, then the window."""
+        if self.centre is not None:
+            layout.meta_of = torch.from_numpy(self.windows.meta_of)
+            layout.meta_a = self.centre
+        return self.window_layout(layout)
+
+    def centre_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The centre records, if any (for nbytes)."""
+        return (self.centre,) if self.centre is not None else ()
