@@ -18,10 +18,10 @@ from kvcache import Batch, CausalCache
 from kvcache.codecs import CODECS, make_codec
 from kvcache.codecs.pack import unpack, unpack4
 from kvcache.errors import InvalidConfigError
+from reference.codec_bounds import FP16, group_step
 from support import render
 
 H, D = 3, 64
-FP16 = 2.0**-11  # relative rounding of fp16
 
 
 def outlier_rows(n: int, seed: int = 0) -> torch.Tensor:
@@ -57,13 +57,6 @@ def roundtrip(spec: str, x: torch.Tensor, role: str = "key") -> torch.Tensor:
 def buffer(cache: CausalCache, role: str, layer: int = 0):
     st = cache.storage.layers[layer]
     return st.keys if role == "key" else st.values
-
-
-def group_step(x: torch.Tensor, group: int, levels: int) -> torch.Tensor:
-    """Half-step bound of affine codes over groups of channels: [n, H, D]."""
-    xg = x.reshape(*x.shape[:-1], -1, group)
-    step = (xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / levels
-    return (0.5 * step * 1.01).expand_as(xg).reshape(x.shape)
 
 
 # ---- round trips -------------------------------------------------------------------------
