@@ -2,10 +2,10 @@
 
 The extension is compiled once per machine (``-O3 -march=native``: AVX2/FMA/F16C where the
 CPU has them, plain loops otherwise) into ``$KVCACHE_KERNEL_DIR`` (default
-``~/.cache/kvcache/kernels``), under a name that hashes the sources, the flags and the torch
-version, so a changed source or another torch builds anew. ``scripts/setup.sh`` builds it
-(``python -m kvcache.kernels``);
-otherwise the first attention call does (about a minute), never a timed step after that.
+``~/.cache/kvcache/kernels``), under a name that hashes the sources, their folder, the flags
+and the torch version, so a changed source, another checkout or another torch builds anew.
+``scripts/setup.sh`` builds it (``python -m kvcache.kernels``); otherwise the first attention
+call does (about a minute), never a timed step after that.
 It runs on torch's intra-op thread pool (``at::parallel_for``): ``torch.set_num_threads``
 sets its threads too.
 """
@@ -40,6 +40,9 @@ def _build_name() -> str:
     for name in SOURCES + HEADERS:
         h.update((_source_dir() / name).read_bytes())
     h.update(" ".join(FLAGS).encode())
+    # torch's build.ninja names the sources by absolute path: a folder per checkout, or two
+    # checkouts of the same sources would rebuild each other's kernels on every load
+    h.update(str(_source_dir()).encode())
     h.update(torch.__version__.encode())
     return f"kvcache_kernels_{h.hexdigest()[:12]}"
 
