@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from kvcache.errors import (
     InvalidConfigError,
     NotSupportedError,
 )
+from kvcache.footprint import held_bytes
 from kvcache.forward import ForwardPlan
 from kvcache.kernels.attend import attend
 from kvcache.kernels.reference import grouped_attention
@@ -63,6 +64,8 @@ from kvcache.storage import Storage, check_kv
 from kvcache.validate import config_int, int_arg, optional_config_int
 
 DEFAULT_MAX_BATCH = 512
+# (layer, q [T, Hq, D], the forward's plan): what cache.attention shows an observer (a press)
+AttentionObserver = Callable[[int, torch.Tensor, ForwardPlan], None]
 # "reference": attend through get()'s history range and mask in plain torch (debugging)
 ATTENTION_ENV = "KVCACHE_ATTENTION"
 
@@ -127,6 +130,7 @@ class CausalCache:
         self.storage = Storage(self.num_cells, dtype, self.device, self.key_codec, self.value_codec)
         self._fwd: ForwardPlan | None = None
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, D/2]
+        self._observers: list[AttentionObserver] = []  # presses watching the queries
         self._closed = False
 
     def _normalise_memory(self, memory: int | None) -> int | None:
@@ -294,6 +298,8 @@ class CausalCache:
         self.put(layer, k, v)
         if fwd.reserve:
             return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+        for observer in self._observers:
+            observer(layer, q, fwd)
         s = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
         if not self._kernel_reads(q, v):
             keys, values, mask = self.get(layer)
@@ -363,6 +369,18 @@ class CausalCache:
             raise CallOrderError("no forward in progress: call start_forward(batch) first")
         return self._fwd
 
+    def add_observer(self, observer: AttentionObserver) -> None:
+        """Show ``observer`` each layer's queries in ``attention`` (a press keeping what it
+        scores with, e.g. SnapKV's last 64 query rows per sequence)."""
+        self._check_open()
+        if observer not in self._observers:
+            self._observers.append(observer)
+
+    def remove_observer(self, observer: AttentionObserver) -> None:
+        """Stop showing ``observer`` the queries (no error if it was not added)."""
+        if observer in self._observers:
+            self._observers.remove(observer)
+
     # ---- sequence operations ---------------------------------------------------------
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Make ``dst`` share ``src``'s cells with position < length (no K/V copied).
@@ -408,6 +426,64 @@ class CausalCache:
             self._forget(seq)
         self._fwd = None
 
+    def evict(
+        self, seq: int, positions: Sequence[int] | np.ndarray, *, compact: bool = False
+    ) -> int:
+        """Drop ``seq``'s tokens at ``positions`` (a press's choice); returns the cells freed.
+
+        Mask only (the default): the other tokens keep their positions, so the sequence
+        goes on at ``next_position(seq)`` and attention simply no longer sees the dropped
+        ones. Cells shared with other sequences (``copy_prefix``) stay alive for them; the
+        fp16 recent windows and codec records follow (``kvcache.recent``). ``compact=True``
+        then renumbers the survivors 0, 1, ... (keys re-rotated through ``shift``, or only
+        renumbered when stored before RoPE), as a ``remove`` of every gap would.
+        Raises InvalidArgumentError for a position ``seq`` does not hold or a repeat, and
+        NotSupportedError (compact) without a shift or when a shared cell would move; a
+        call that raises changes nothing.
+        """
+        self._check_open()
+        seq = int_arg("seq", seq)
+        gone = self._cells_at(seq, positions)
+        cells = self.cells.ordered(seq)
+        moved, offsets = cells[:0], np.zeros(0, dtype=np.int64)
+        if compact:
+            keep = cells[~np.isin(cells, gone)]  # by position
+            offsets = np.arange(len(keep)) - self.cells.pos[keep]  # [k] new - old position
+            moved, offsets = keep[offsets != 0], offsets[offsets != 0]
+        new_keys = self._shifted_keys(seq, moved, offsets)
+        free_before = self.cells.free_count()
+        self._release(seq, gone)
+        if len(moved):
+            self.cells.move(seq, moved, offsets)
+            moved_t = torch.from_numpy(moved).to(self.device)
+            for layer, keys in new_keys.items():
+                self.storage.rewrite_keys(layer, moved_t, keys)
+        if len(self.cells.cells_of(seq)) == 0:
+            self._forget(seq)
+        self._fwd = None
+        return self.cells.free_count() - free_before
+
+    def _cells_at(self, seq: int, positions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The cells holding ``seq``'s ``positions`` (each held, none repeated), or raise."""
+        try:
+            pos = np.asarray(positions)
+        except (TypeError, ValueError):
+            pos = np.zeros(1, dtype=object)
+        if pos.ndim != 1 or (len(pos) and pos.dtype.kind not in "iu"):
+            raise InvalidArgumentError("positions", positions, "a 1-D sequence of ints")
+        pos = pos.astype(np.int64)
+        if len(np.unique(pos)) != len(pos):
+            raise InvalidArgumentError("positions", pos.tolist()[:8], "distinct positions")
+        cells = self.cells.ordered(seq)
+        stored = self.cells.pos[cells]  # ascending
+        at = np.minimum(np.searchsorted(stored, pos), max(len(stored) - 1, 0))
+        found = (stored[at] == pos) if len(stored) else np.zeros(len(pos), dtype=bool)
+        if not found.all():
+            raise InvalidArgumentError(
+                "positions", pos[~found].tolist()[:8], f"positions stored for sequence {seq}"
+            )
+        return np.sort(cells[at])
+
     def _release(self, seq: int, cells: np.ndarray) -> None:
         """``seq`` stops using ``cells``; those nobody uses any more are freed in storage."""
         self.cells.release(seq, cells)
@@ -417,8 +493,11 @@ class CausalCache:
         self.cells.forget(seq)
         self.storage.forget(seq)
 
-    def _shifted_keys(self, seq: int, moved: np.ndarray, offset: int) -> dict[int, torch.Tensor]:
-        """Re-rotated keys of the moved cells for every layer, computed before any mutation."""
+    def _shifted_keys(
+        self, seq: int, moved: np.ndarray, offset: int | np.ndarray
+    ) -> dict[int, torch.Tensor]:
+        """Re-rotated keys of the moved cells for every layer (by ``offset``, one for all or
+        one per cell), computed before any mutation."""
         if len(moved) == 0:
             return {}
         shared = moved[self.cells.refs[moved] > 1]
@@ -433,13 +512,14 @@ class CausalCache:
                 "a shift function (RoPE re-rotation); pass shift= to CausalCache"
             )
         out: dict[int, torch.Tensor] = {}
+        shifts = np.broadcast_to(np.asarray(offset, dtype=np.int64), moved.shape).copy()  # [n]
         if self.key_rope == "pre":
             return out  # stored un-rotated: the new positions are all that changes
         for layer, st in self.storage.layers.items():
             parts = []
             for i in range(0, len(moved), self.max_batch):
                 idx = torch.from_numpy(moved[i : i + self.max_batch]).to(self.device)
-                offsets = torch.full((len(idx),), offset, dtype=torch.int64, device=self.device)
+                offsets = torch.from_numpy(shifts[i : i + self.max_batch]).to(self.device)
                 keys = st.keys.decode(idx, self.dtype)  # [n, H, D], decoded
                 parts.append(self.shift(layer, keys, offsets).to(self.dtype))
             out[layer] = torch.cat(parts)
@@ -488,6 +568,13 @@ class CausalCache:
         """Layers that have storage (a put happened)."""
         return sorted(self.storage.layers)
 
+    def layer_shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(kv_heads, head_dim) of ``layer``'s keys and of its values."""
+        st = self.storage.layers.get(int_arg("layer", layer))
+        if st is None:
+            raise InvalidArgumentError("layer", layer, f"one of {sorted(self.storage.layers)}")
+        return st.key_shape, st.value_shape
+
     def cells_of(self, seq: int) -> np.ndarray:
         """Cells held by ``seq``, in position order (a copy)."""
         return self.cells.ordered(int_arg("seq", seq)).copy()
@@ -515,6 +602,17 @@ class CausalCache:
         """Bytes of K/V storage allocated: every buffer of every layer that has been put
         (codes, metadata, fp16 windows) and the windows' maps."""
         return self.storage.nbytes()
+
+    def held_bytes(self, seq: int | None = None) -> int:
+        """Bytes the cells in use hold (``seq``'s, or every sequence's): codes, per-row
+        scales, fp16 window rows, and the codec records (key centres, KIVI group ranges)
+        those cells use; what a press frees (``memory_usage_bytes`` is what is allocated)."""
+        self._check_open()
+        if seq is None:
+            cells = np.flatnonzero(self.cells.refs > 0)
+        else:
+            cells = self.cells.cells_of(int_arg("seq", seq))
+        return held_bytes(self.storage, cells)
 
     def close(self) -> None:
         """Free the storage; the cache cannot be used afterwards."""

@@ -140,8 +140,9 @@ class Cells:
         self.ranges[seq] = (int(cells.min()), int(cells.max())) if len(cells) else EMPTY
         self.max_pos[seq] = int(self.pos[cells].max()) if len(cells) else -1
 
-    def move(self, seq: int, cells: np.ndarray, offset: int) -> None:
-        """Shift the positions of ``cells`` (held by ``seq`` alone) by ``offset``."""
+    def move(self, seq: int, cells: np.ndarray, offset: int | np.ndarray) -> None:
+        """Shift the positions of ``cells`` (held by ``seq`` alone) by ``offset`` (one for
+        all, or one per cell)."""
         assert (self.refs[cells] == 1).all(), f"moving shared cells {cells}"
         self.pos[cells] += offset
         self._order.pop(seq, None)

@@ -1,0 +1,193 @@
+"""What a press is: scores per layer and KV head, one keep/drop decision per cell.
+
+A press (kvpress's name) decides which cells of one sequence to keep. Cells are shared by
+every layer (one cell = one token's K/V in all layers), so memory is freed only by freeing
+cells: a press scores each cell per layer and KV head, as its paper does, then turns those
+scores into one decision per cell::
+
+    scores      [L, Hkv, n]    higher = more worth keeping (n = the sequence's cells, by
+                               position); each press computes them its own way
+    normalised  [L, Hkv, n]    min-max per (layer, head) to [0, 1] (a constant head: 0)
+    cell score  [n]            mean over layers and heads
+    kept        the round-down (1 - ratio) * n best cells (ties: the earlier position)
+
+``ratio`` is the fraction removed (kvpress's ``compression_ratio``), applied to the cells
+the sequence holds now. The keys a press reads are the cache's own (``CausalCache.read``,
+rotated as the model attended with them: dequantized codes for a quantized codec), and the
+queries are what a :class:`~kvcache.press.queries.QueryWindow` kept while it observed the
+prefill (``press.observe(cache)``); a press never touches a kernel's tensors.
+
+Eviction is the cache's (``CausalCache.evict``): mask only by default: survivors keep their
+positions and the sequence goes on at ``next_position``, as kvpress leaves a pruned cache.
+``compact=1`` renumbers the survivors instead (keys re-rotated through the cache's shift).
+Measured on SmolLM2-135M (``benchmarks/press_compact.py``): see its docstring for why mask
+only is the default.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kvcache.causal import CausalCache
+from kvcache.errors import CallOrderError, InvalidArgumentError
+from kvcache.press.queries import QueryWindow
+from kvcache.validate import int_arg
+
+SLACK = 1e-9  # n * (1 - ratio) rounds down as kvpress's int() does, without float noise
+
+
+def kept_count(n: int, ratio: float) -> int:
+    """Cells kept of ``n`` at ``ratio`` removed: int(n * (1 - ratio)), as kvpress counts."""
+    return int(n * (1.0 - ratio) + SLACK)
+
+
+@dataclass
+class Scoring:
+    """What a press scores one sequence with: its cells by position and lazy reads."""
+
+    cache: CausalCache
+    seq: int
+    cells: np.ndarray  # [n] by position
+    pos: np.ndarray  # [n] their positions, ascending
+    window: QueryWindow | None
+    keep: int  # cells to keep
+    _reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def layers(self) -> list[int]:
+        return self.cache.layers()
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (rotated) and values of the cells, float32 [n, Hkv, D] each."""
+        got = self._reads.get(layer)
+        if got is None:
+            k, v = self.cache.read(layer, torch.from_numpy(self.cells))
+            got = (k.float(), v.float())
+            self._reads = {layer: got}  # one layer at a time: memory stays one layer's
+        return got
+
+    def queries(self, layer: int) -> tuple[torch.Tensor, np.ndarray]:
+        """Observed queries [w, Hq, D] float32 of this sequence and layer, and positions [w]."""
+        assert self.window is not None, "a query press scored without a window"
+        return self.window.queries(self.seq, layer)
+
+
+class Press(ABC):
+    """Keeps the (1 - ratio) most useful cells of a sequence (see the module docstring)."""
+
+    name: ClassVar[str]
+    query_rows: int = 0  # query rows per sequence and layer it scores with (0: agnostic)
+
+    def __init__(self, ratio: float, compact: bool = False) -> None:
+        self.ratio = ratio
+        self.compact = compact
+        self._window: QueryWindow | None = None
+
+    @abstractmethod
+    def scores(self, ctx: Scoring) -> torch.Tensor:
+        """Scores [L, Hkv, n] of the sequence's cells per layer and KV head (higher keeps)."""
+
+    def select(self, ctx: Scoring, keep: int) -> np.ndarray:
+        """Indices (into ctx.cells) of the ``keep`` cells kept."""
+        return top_cells(aggregate(self.scores(ctx)), keep)
+
+    # ---- the API ---------------------------------------------------------------------------
+    def observe(self, cache: CausalCache) -> QueryWindow:
+        """A context manager: while active, the cache's attention shows each layer's queries
+        to this press, which keeps the newest ``query_rows`` of each sequence."""
+        if not isinstance(cache, CausalCache):
+            raise InvalidArgumentError("cache", type(cache).__name__, "a kvcache.CausalCache")
+        self._window = QueryWindow(cache, self.query_rows)
+        return self._window
+
+    def compress(self, cache: CausalCache, seq: int) -> int:
+        """Evict ``seq``'s cells down to (1 - ratio) of them (after its prefill); returns
+        the cells freed (cells shared with another sequence stay alive for it)."""
+        seq = int_arg("seq", seq)
+        return self.compress_to(cache, seq, kept_count(len(cache.cells_of(seq)), self.ratio))
+
+    def compress_to(self, cache: CausalCache, seq: int, keep: int) -> int:
+        """Evict ``seq``'s cells down to ``keep`` of them; returns the cells freed."""
+        seq, keep = int_arg("seq", seq), int_arg("keep", keep)
+        cells = cache.cells_of(seq)
+        if keep >= len(cells):
+            return 0
+        pos = np.asarray(cache.positions(seq), dtype=np.int64)  # [n], the order of cells
+        ctx = Scoring(cache, seq, cells, pos, self._queries(cache, seq), keep)
+        kept = self.select(ctx, keep)
+        assert len(kept) == keep, f"{self.name} kept {len(kept)} cells, not {keep}"
+        drop = np.ones(len(cells), dtype=bool)
+        drop[kept] = False
+        return cache.evict(seq, ctx.pos[drop], compact=self.compact)
+
+    def during_decode(self, max_cells: int, every: int = 1) -> DecodePress:
+        """Decode-time pressing: ``step(cache, seq)`` after each decode step compresses
+        ``seq`` back to ``max_cells`` every ``every`` steps."""
+        return DecodePress(self, int_arg("max_cells", max_cells), int_arg("every", every, 1))
+
+    def _queries(self, cache: CausalCache, seq: int) -> QueryWindow | None:
+        if self.query_rows == 0:
+            return None
+        w = self._window
+        if w is None or w.cache is not cache or not w.has(seq):
+            raise CallOrderError(
+                f"press {self.name!r} scores with the prompt's queries: run sequence {seq}'s "
+                "prefill inside `with press.observe(cache):` before compress(cache, seq)"
+            )
+        return w
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(ratio={self.ratio})"
+
+
+class DecodePress:
+    """Keeps a decoding sequence at most ``max_cells`` cells, pressing every ``every`` steps.
+
+    The first ``step`` starts observing the cache's queries (for a press that needs them);
+    a sequence none of whose queries were seen yet is left alone until one is.
+    """
+
+    def __init__(self, press: Press, max_cells: int, every: int) -> None:
+        self.press = press
+        self.max_cells = max_cells
+        self.every = every
+        self._steps: dict[int, int] = {}
+
+    def step(self, cache: CausalCache, seq: int) -> int:
+        """One decode step of ``seq`` is done; returns the cells freed now (often 0)."""
+        seq = int_arg("seq", seq)
+        w = self.press._window
+        if self.press.query_rows and (w is None or w.cache is not cache):
+            self.press.observe(cache).__enter__()  # stays attached: decode queries keep coming
+            return 0
+        n = self._steps.get(seq, 0) + 1
+        self._steps[seq] = n
+        if n % self.every or len(cache.cells_of(seq)) <= self.max_cells:
+            return 0
+        if self.press.query_rows and not (w is not None and w.has(seq)):
+            return 0
+        return self.press.compress_to(cache, seq, self.max_cells)
+
+    def close(self) -> None:
+        """Stop observing (the cache no longer shows this press its queries)."""
+        w = self.press._window
+        if w is not None:
+            w.__exit__(None, None, None)
+
+
+def aggregate(scores: torch.Tensor) -> np.ndarray:
+    """[L, H, n] -> [n]: min-max per (layer, head), then the mean (module docstring)."""
+    s = scores.double()
+    lo = s.amin(dim=-1, keepdim=True)
+    span = s.amax(dim=-1, keepdim=True) - lo
+    norm = torch.where(span > 0, (s - lo) / span.clamp_min(1e-300), torch.zeros_like(s))
+    return norm.mean(dim=(0, 1)).numpy()
+
+
+def top_cells(score: np.ndarray, keep: int) -> np.ndarray:
+    """Indices of the ``keep`` highest scores (ties: the lower index first)."""
+    return np.sort(np.argsort(-score, kind="stable")[:keep])
