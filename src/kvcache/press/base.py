@@ -62,11 +62,12 @@ class Scoring:
         return self.cache.layers()
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (rotated) and values of the cells, float32 [n, Hkv, D] each."""
+        """Keys (rotated) and values of the cells [n, Hkv, D], float32 (float64 in a
+        float64 cache)."""
         got = self._reads.get(layer)
         if got is None:
             k, v = self.cache.read(layer, torch.from_numpy(self.cells))
-            got = (k.float(), v.float())
+            got = (_wide(k), _wide(v))
             self._reads = {layer: got}  # one layer at a time: memory stays one layer's
         return got
 
@@ -113,16 +114,21 @@ class Press(ABC):
     def compress_to(self, cache: CausalCache, seq: int, keep: int) -> int:
         """Evict ``seq``'s cells down to ``keep`` of them; returns the cells freed."""
         seq, keep = int_arg("seq", seq), int_arg("keep", keep)
-        cells = cache.cells_of(seq)
-        if keep >= len(cells):
+        if keep >= len(cache.cells_of(seq)):
             return 0
-        pos = np.asarray(cache.positions(seq), dtype=np.int64)  # [n], the order of cells
-        ctx = Scoring(cache, seq, cells, pos, self._queries(cache, seq), keep)
+        ctx = self.scoring(cache, seq, keep)
         kept = self.select(ctx, keep)
         assert len(kept) == keep, f"{self.name} kept {len(kept)} cells, not {keep}"
-        drop = np.ones(len(cells), dtype=bool)
+        drop = np.ones(len(ctx.cells), dtype=bool)
         drop[kept] = False
         return cache.evict(seq, ctx.pos[drop], compact=self.compact)
+
+    def scoring(self, cache: CausalCache, seq: int, keep: int) -> Scoring:
+        """What ``select`` scores ``seq`` with, keeping ``keep`` cells (raises CallOrderError
+        when the press needs queries and none of ``seq``'s was observed)."""
+        cells = cache.cells_of(seq)
+        pos = np.asarray(cache.positions(seq), dtype=np.int64)  # [n], the order of cells
+        return Scoring(cache, seq, cells, pos, self._queries(cache, seq), keep)
 
     def during_decode(self, max_cells: int, every: int = 1) -> DecodePress:
         """Decode-time pressing: ``step(cache, seq)`` after each decode step compresses
@@ -177,6 +183,11 @@ class DecodePress:
         w = self.press._window
         if w is not None:
             w.__exit__(None, None, None)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 for float64 input (exactness tests score in float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def aggregate(scores: torch.Tensor) -> np.ndarray:

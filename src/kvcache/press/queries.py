@@ -4,7 +4,7 @@ A :class:`QueryWindow` is an observer of ``CausalCache.attention``: while it is 
 every layer's ``q`` [T, Hq, D] (rotated, as the model attends with it) passes by, and it keeps
 the newest ``rows`` rows of each sequence (SnapKV's observation window: 64), never more::
 
-    seq 3, layer l:   q [<= rows, Hq, D] float32     pos [<= rows] int64 (ascending)
+    seq 3, layer l:   q [<= rows, Hq, D] float32 (float64 kept)     pos [<= rows] int64 (ascending)
 
 So a 4k-token prefill keeps 64 rows per layer, not 4k. Sequences in ``ignored`` are not
 recorded (the engine stops recording a request once it has been pressed).
@@ -41,7 +41,8 @@ class QueryWindow:
             if s in self.ignored:
                 continue
             rows = np.flatnonzero(seqs == s)[-self.rows :]  # [r]
-            new_q = q[torch.from_numpy(rows)].float()  # [r, Hq, D]
+            new_q = q[torch.from_numpy(rows)]  # [r, Hq, D]
+            new_q = new_q.to(torch.promote_types(new_q.dtype, torch.float32))
             new_pos = plan.positions[rows]
             key = (s, layer)
             old = self._q.get(key)
@@ -63,7 +64,7 @@ class QueryWindow:
 
     # ---- reads ---------------------------------------------------------------------------
     def queries(self, seq: int, layer: int) -> tuple[torch.Tensor, np.ndarray]:
-        """q [n, Hq, D] float32 and their positions [n] (n = 0 when none was seen)."""
+        """q [n, Hq, D] (float32 or float64) and their positions [n] (n = 0 when none was seen)."""
         key = (seq, layer)
         q = self._q.get(key)
         if q is None:

@@ -1,0 +1,114 @@
+"""Each press's scores equal kvpress's, computed from a float64 no-cache forward
+(``tests/reference/press.py``), and the press keeps exactly the cells that reference picks.
+
+The prompt is prefilled in two chunks (70 + 50 tokens), so SnapKV's 64-row window spans
+both: the query window must keep the newest rows across forwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvcache import Batch, CausalCache
+from kvcache.errors import CallOrderError
+from kvcache.models.llama import Llama
+from kvcache.press import make_press
+from kvcache.press.adakv import AdaKV
+from reference import press as ref
+
+T = 120
+CHUNKS = (70, 50)
+RATIO = 0.5
+
+
+@pytest.fixture(scope="module")
+def tokens() -> list[int]:
+    return np.random.default_rng(3).integers(0, 97, T).tolist()
+
+
+@pytest.fixture(scope="module")
+def states(history_model: Llama, tokens: list[int]) -> list[ref.LayerStates]:
+    return ref.no_cache_states(history_model, tokens)
+
+
+def prefill(model: Llama, tokens: list[int], spec: str) -> tuple[CausalCache, object]:
+    cache = model.new_cache(256)
+    press = make_press(spec)
+    start = 0
+    with press.observe(cache):
+        for n in CHUNKS:
+            pos = list(range(start, start + n))
+            model.forward(tokens[start : start + n], Batch(positions=pos, sequences=[0] * n), cache)
+            start += n
+    return cache, press
+
+
+def reference_scores(name: str, states: list[ref.LayerStates], theta: float) -> torch.Tensor:
+    """kvpress's scores [L, Hkv, T] per layer."""
+    per_layer = {
+        "snapkv": lambda st: ref.snapkv(st),
+        "tova": lambda st: ref.tova(st),
+        "knorm": lambda st: ref.knorm(st),
+        "expected": lambda st: ref.expected(st, theta),
+        "streaming": lambda st: ref.streaming(T, RATIO).expand(st.k.shape[1], -1),
+        "adakv": lambda st: ref.snapkv(st),
+    }[name]
+    return torch.stack([per_layer(st) for st in states])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "tova", "knorm", "expected", "streaming", "adakv"])
+def test_scores_and_kept_cells_equal_kvpress(
+    name: str, history_model: Llama, tokens: list[int], states: list[ref.LayerStates]
+) -> None:
+    cache, press = prefill(history_model, tokens, f"{name}:{RATIO}")
+    kept = int(T * (1 - RATIO))
+    want = reference_scores(name, states, history_model.config.rope_theta)
+    got = press.scores(press.scoring(cache, 0, kept))
+    torch.testing.assert_close(got.double(), want.expand_as(got), rtol=1e-9, atol=1e-12)
+    if name == "adakv":
+        votes = sum(ref.adakv_selected(want[i], kept).sum(0) for i in range(len(states)))
+        score = ref.cell_score(want)
+        order = sorted(range(T), key=lambda i: (-int(votes[i]), -score[i], i))
+        expect = sorted(order[:kept])
+    else:
+        expect = ref.cell_decision(ref.cell_score(want), kept)
+    freed = press.compress(cache, 0)
+    assert cache.positions(0) == expect
+    assert freed == T - kept
+    assert cache.free_cells() == cache.num_cells - kept
+
+
+def test_query_window_keeps_the_newest_rows_across_chunks(
+    history_model: Llama, tokens: list[int], states: list[ref.LayerStates]
+) -> None:
+    cache, press = prefill(history_model, tokens, "snapkv:0.5")
+    for layer, st in enumerate(states):
+        q, pos = press.scoring(cache, 0, 10).queries(layer)
+        assert pos.tolist() == list(range(T - 64, T))
+        torch.testing.assert_close(q, st.q[-64:], rtol=1e-10, atol=1e-12)
+
+
+def test_adakv_votes_follow_head_budgets() -> None:
+    """A head with one peaked cell and a flat head: AdaKV's global pruning gives the flat
+    head the budget, so its best cells win over the peaked head's second best."""
+    scores = torch.tensor([[[10.0, 0.0, 0.0, 0.0], [0.5, 0.4, 0.45, 0.41]]])  # [1, 2, 4]
+    press = AdaKV(0.5)
+    sel = ref.adakv_selected(scores[0], 2, 0.2)
+    # kvpress: head 0 keeps cell 0 only, head 1 keeps 0, 2, 3 (4 pairs = 2 heads x 2 kept)
+    assert sel.tolist() == [[True, False, False, False], [True, False, True, True]]
+    from kvcache.press.adakv import selected
+
+    assert torch.equal(selected(scores, 2, 0.2)[0], sel)
+    assert press.alpha == 0.2
+
+
+def test_query_presses_need_an_observed_prefill(history_model: Llama, tokens: list[int]) -> None:
+    cache = history_model.new_cache(256)
+    history_model.forward(tokens[:80], Batch(positions=list(range(80)), sequences=[0] * 80), cache)
+    before = cache.positions(0)
+    for spec in ("snapkv:0.5", "tova:0.5", "expected:0.5", "adakv:0.5"):
+        with pytest.raises(CallOrderError, match="observe"):
+            make_press(spec).compress(cache, 0)
+    assert cache.positions(0) == before
+    assert make_press("knorm:0.5").compress(cache, 0) == 40  # query-agnostic: no observe
