@@ -65,7 +65,7 @@ def test_scores_and_kept_cells_equal_kvpress(
     kept = int(T * (1 - RATIO))
     want = reference_scores(name, states, history_model.config.rope_theta)
     got = press.scores(press.scoring(cache, 0, kept))
-    torch.testing.assert_close(got.double(), want.expand_as(got), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got.double().expand_as(want), want, rtol=1e-9, atol=1e-12)
     if name == "adakv":
         votes = sum(ref.adakv_selected(want[i], kept).sum(0) for i in range(len(states)))
         score = ref.cell_score(want)
