@@ -19,7 +19,7 @@ from reference import press as ref
 
 T = 120
 CHUNKS = (70, 50)
-RATIO = 0.5
+RATIO = 0.3  # keeps 84 cells: more than SnapKV's 64-row window
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,7 @@ def test_scores_and_kept_cells_equal_kvpress(
         expect = sorted(order[:kept])
     else:
         expect = ref.cell_decision(ref.cell_score(want), kept)
+    assert expect != list(range(T - kept, T))  # the choice is not just "the newest"
     freed = press.compress(cache, 0)
     assert cache.positions(0) == expect
     assert freed == T - kept

@@ -57,6 +57,8 @@ class SnapKV(Press):
     def _layer(self, ctx: Scoring, layer: int) -> torch.Tensor:
         attn, window = window_attention(ctx, layer)  # [Hq, w, n], [n]
         hkv = ctx.kv(layer)[0].shape[1]
+        if window.sum() >= ctx.keep:  # the window alone fills the budget: score every cell
+            window = np.zeros_like(window)
         prompt = torch.from_numpy(~window)
         s = attn.mean(dim=1)[:, prompt]  # [Hq, m]
         s = F.avg_pool1d(s[:, None, :], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
