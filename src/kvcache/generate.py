@@ -79,10 +79,12 @@ class Generator:
         keep: int | None = None,
         codec: str | None = None,
         block_size: int = 1,
+        press: str | None = None,
     ) -> None:
         """``capacity``: positions per sequence (past it the context shifts); ``keep``:
         tokens a shift keeps at the start (default min(4, capacity // 4)); ``codec``: how
-        the cache stores K/V (a ``kvcache.codecs`` spec; None: the model's dtype)."""
+        the cache stores K/V (a ``kvcache.codecs`` spec; None: the model's dtype); ``press``:
+        a ``kvcache.press`` spec applied to each request after its prefill."""
         config = EngineConfig(
             capacity=capacity,
             max_sequences=max_sequences,
@@ -92,6 +94,7 @@ class Generator:
             keep=keep,
             codec=codec,
             block_size=block_size,
+            press=press,
         )
         self.engine = Engine(model, tokenizer, config)
         self.results: dict[int, Completion] = {}

@@ -7,7 +7,7 @@ import resource
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from kvcache.commands.options import add_kv_codec, check_kv_codec
+from kvcache.commands.options import add_kv_codec, add_press, check_kv_codec, check_press
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     add_kv_codec(parser)
+    add_press(parser)
 
 
 def peak_rss_bytes() -> int:
@@ -79,12 +80,18 @@ def peak_rss_bytes() -> int:
 
 
 def stats_line(
-    prompt_tokens: int, prefill_rate: float, decode_rate: float, cache_bytes: int
+    prompt_tokens: int,
+    prefill_rate: float,
+    decode_rate: float,
+    cache_bytes: int,
+    held: tuple[int, float] | None = None,
 ) -> str:
-    """The one-line summary the command ends with."""
+    """The one-line summary the command ends with; ``held``: bytes the requests' cells held
+    at their end and the total compression (fp16 bytes of their histories / those bytes)."""
+    kept = "" if held is None else f"held: {held[0] / 2**20:.2f} MiB ({held[1]:.2f}x fp16) | "
     return (
         f"[stats] prompt tokens: {prompt_tokens} | prefill: {prefill_rate:.1f} tok/s | "
-        f"decode: {decode_rate:.1f} tok/s | cache: {cache_bytes / 2**20:.1f} MiB | "
+        f"decode: {decode_rate:.1f} tok/s | cache: {cache_bytes / 2**20:.1f} MiB | {kept}"
         f"peak RSS: {peak_rss_bytes() / 2**20:.0f} MiB"
     )
 
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             max_sequences=args.parallel,
             window=args.window,
             codec=args.kv_codec,
+            press=args.press,
         )
         requests = gen.add_many([ids] * args.parallel, config)
         if args.parallel == 1:
@@ -124,7 +132,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     s = gen.stats
     cache_bytes = gen.cache.memory_usage_bytes()
-    print(stats_line(s.prompt_tokens, s.prefill_rate, s.decode_rate, cache_bytes), file=out)
+    held = (s.held_bytes, s.total_compression)
+    line = stats_line(s.prompt_tokens, s.prefill_rate, s.decode_rate, cache_bytes, held)
+    print(line, file=out)
     gen.close()
     return 0
 
@@ -138,6 +148,7 @@ def _config(args: argparse.Namespace) -> GenerationConfig:
     if args.parallel < 1:
         raise InvalidArgumentError("-n/--parallel", args.parallel, "an int >= 1")
     check_kv_codec(args.kv_codec)  # a bad spec fails before the weights load
+    check_press(args.press)
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),

@@ -16,6 +16,26 @@ def add_kv_codec(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_press(parser: argparse.ArgumentParser) -> None:
+    """``--press SPEC``: evict cells of each request after its prefill (``kvcache.press``)."""
+    parser.add_argument(
+        "--press",
+        default=None,
+        metavar="SPEC",
+        help="after each prompt's prefill keep (1 - RATIO) of its cells: NAME:RATIO with NAME "
+        "streaming, snapkv, knorm, tova, expected or adakv, e.g. snapkv:0.5 (turns prefix "
+        "reuse off)",
+    )
+
+
+def check_press(spec: str | None) -> None:
+    """Raise InvalidArgumentError for a bad ``--press`` before any weights load."""
+    from kvcache.press import make_press
+
+    if spec is not None:
+        make_press(spec)
+
+
 def check_kv_codec(spec: str | None) -> None:
     """Raise InvalidConfigError for a bad ``--kv-codec`` before any weights load."""
     from kvcache.codecs import make_codec

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcache.commands.options import add_kv_codec, check_kv_codec
+from kvcache.commands.options import add_kv_codec, add_press, check_kv_codec, check_press
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     add_kv_codec(parser)
+    add_press(parser)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -124,12 +125,14 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if not 0 <= args.port < 65536:
         raise InvalidArgumentError("--port", args.port, "a port number in [0, 65535]")
     check_kv_codec(args.kv_codec)  # a bad spec fails before the weights load
+    check_press(args.press)
     return EngineConfig(
         capacity=args.capacity,
         max_sequences=args.max_sequences,
         max_batch=args.max_batch,
         prefix_cache=not args.no_prefix_cache,
         codec=args.kv_codec,
+        press=args.press,
     )
 
 

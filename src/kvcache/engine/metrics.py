@@ -44,6 +44,12 @@ ENGINE_METRICS: tuple[Exported, ...] = (
         "cells_used", "gauge", "Cells holding K/V (requests and prefix holders).", "cells_used"
     ),
     Exported("cells_free", "gauge", "Free cells.", "cells_free"),
+    Exported(
+        "held_bytes", "gauge", "Bytes the cells in use hold (codes, scales, windows).", "held_bytes"
+    ),
+    Exported(
+        "pressed_cells", "counter", "Cells freed by --press after prefills.", "pressed_cells_total"
+    ),
     Exported("prefix_blocks", "gauge", "Token blocks held by the prefix cache.", "prefix_blocks"),
     Exported("requests_running", "gauge", "Requests in the running batch.", "running"),
     Exported("requests_queued", "gauge", "Requests waiting for a slot.", "queued"),

@@ -29,6 +29,7 @@ class EngineConfig:
     keep: int | None = None  # tokens a context shift keeps at the start (default min(4, C/4))
     preemption: str = "recompute"  # kvcache.engine.pressure.PREEMPTIONS
     holder_eviction: str = "drop"  # kvcache.engine.pressure.HOLDER_EVICTIONS
+    press: str | None = None  # kvcache.press spec applied after each prefill (no prefix reuse)
 
     def __post_init__(self) -> None:
         config_int("capacity", self.capacity, 2)
@@ -47,6 +48,10 @@ class EngineConfig:
                 raise InvalidConfigError(
                     "keep", self.keep, f"an int < capacity // 2 = {self.capacity // 2}"
                 )
+        if self.press is not None:
+            from kvcache.press import make_press
+
+            make_press(self.press)  # InvalidArgumentError naming the spec
         if self.preemption not in PREEMPTIONS:
             raise InvalidConfigError("preemption", self.preemption, f"one of {list(PREEMPTIONS)}")
         if self.holder_eviction not in HOLDER_EVICTIONS:

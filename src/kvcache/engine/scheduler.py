@@ -40,6 +40,7 @@ import torch
 from kvcache.batch import Batch
 from kvcache.engine.context import context_policy
 from kvcache.engine.params import EngineConfig, RequestParams
+from kvcache.engine.pressing import Pressing, fp16_row_bytes
 from kvcache.engine.pressure import HOLDER_EVICTIONS, PREEMPTIONS
 from kvcache.engine.request import Event, Request
 from kvcache.engine.reuse import NoReuse, PrefixReuse, shared_prefix
@@ -105,7 +106,8 @@ class Engine:
         self.context = context_policy(c.context, c.capacity, c.kept_tokens, c.window)
         self.preemption = PREEMPTIONS[c.preemption]()
         self.reuse: PrefixReuse | NoReuse = NoReuse(self.cache)
-        if c.prefix_cache:
+        self.press = Pressing.start(c.press, self.cache, self.stats)
+        if c.prefix_cache and self.press is None:  # a pressed prompt is no prefix to share
             self.reuse = PrefixReuse(
                 self.cache,
                 self.stats,
@@ -295,6 +297,8 @@ class Engine:
     def _preempt(self, victim: Request) -> None:
         """The preemption hook: the victim's cells go (or are parked), it queues first."""
         self.reuse.on_preempt(victim)
+        if self.press is not None:
+            self.press.finished(victim.seq)  # recomputed later, and pressed again
         self.preemption.preempt(self.cache, victim)
         self.running.remove(victim)
         victim.seq, victim.fed, victim.awaits = -1, 0, None
@@ -312,6 +316,8 @@ class Engine:
             self.stats.computed_tokens += count
             if not samples:
                 continue
+            if self.press is not None:
+                self.press.prefilled(r.seq)
             self.reuse.on_prefilled(r)
             events.append(self._accept(r, picker.pick(row, r)))
             row += 1
@@ -334,10 +340,21 @@ class Engine:
 
     def _finish(self, r: Request, reason: str, token: int | None = None, text: str = "") -> Event:
         """Keep the request's whole blocks as a prefix holder, free the rest, end it."""
+        self._count_held(r)
+        if self.press is not None:
+            self.press.finished(r.seq)
         self.reuse.release(r)
         self.running.remove(r)
         r.seq, r.awaits = -1, None
         return self._end(r, reason, token, text)
+
+    def _count_held(self, r: Request) -> None:
+        """Book the bytes ``r``'s cells hold against the fp16 bytes of what it saw."""
+        held = self.cache.held_bytes(r.seq)
+        if held:
+            self.stats.held_bytes += held
+            seen = len(r.tokens) - 1  # every token but the last sampled one went in
+            self.stats.history_fp16_bytes += seen * fp16_row_bytes(self.cache)
 
     def _end(self, r: Request, reason: str, token: int | None = None, text: str = "") -> Event:
         text += r.flush(reason)
@@ -391,6 +408,8 @@ class Engine:
             "store_rejected_total": s.store_rejected,
             "store_errors_total": s.store_errors,
             "requests_finished_total": s.finished,
+            "held_bytes": self.cache.held_bytes(),
+            "pressed_cells_total": s.pressed_cells,
         }
         for reason in MISS_REASONS:
             snap[f"prefix_miss_total:{reason}"] = s.misses[reason]

@@ -44,6 +44,15 @@ class EngineStats:
     store_rejected: int = 0  # block-store entries refused (corrupt, other model or codec)
     store_errors: int = 0  # block-store calls that failed (treated as a miss)
     finished: int = 0
+    pressed_cells: int = 0  # cells a press freed after prefills
+    history_fp16_bytes: int = 0  # finished requests: fp16 bytes of the tokens they saw
+    held_bytes: int = 0  # ... and the bytes their cells held at the end
+
+    @property
+    def total_compression(self) -> float:
+        """fp16 bytes of finished requests' histories / the bytes their cells held."""
+        return self.history_fp16_bytes / self.held_bytes if self.held_bytes else 0.0
+
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
     @property

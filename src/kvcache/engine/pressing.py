@@ -1,0 +1,53 @@
+"""The engine's press: each request's cells pressed once, right after its prefill.
+
+``--press SPEC`` (``kvcache.press``): the press observes the cache's queries for the
+engine's lifetime, keeps each prefilling sequence's newest query rows, and compresses the
+sequence when its context has been computed (before its first sampled token's successor is
+fed); from then on its queries are no longer recorded. Prefix reuse is off with a press: a
+pressed prompt's cells no longer describe the prompt's blocks.
+"""
+
+from __future__ import annotations
+
+from kvcache.causal import CausalCache
+from kvcache.engine.stats import EngineStats
+from kvcache.press import Press, make_press
+from kvcache.press.queries import QueryWindow
+
+FP16 = 2
+
+
+class Pressing:
+    """One press over the engine's cache (see the module docstring)."""
+
+    def __init__(self, press: Press, cache: CausalCache, stats: EngineStats) -> None:
+        self.press, self.cache, self.stats = press, cache, stats
+        self.window: QueryWindow = press.observe(cache)
+        self.window.__enter__()
+        self._done: set[int] = set()
+
+    @classmethod
+    def start(cls, spec: str | None, cache: CausalCache, stats: EngineStats) -> Pressing | None:
+        return None if spec is None else cls(make_press(spec), cache, stats)
+
+    def prefilled(self, seq: int) -> None:
+        """``seq`` computed its whole context: press it (once)."""
+        if seq in self._done:
+            return
+        self._done.add(seq)
+        self.stats.pressed_cells += self.press.compress(self.cache, seq)
+        self.window.forget(seq)
+        self.window.ignored.add(seq)
+
+    def finished(self, seq: int) -> None:
+        self._done.discard(seq)
+        self.window.ignored.discard(seq)
+        self.window.forget(seq)
+
+
+def fp16_row_bytes(cache: CausalCache) -> int:
+    """fp16 bytes of one token's K and V in every layer."""
+    return sum(
+        (k[0] * k[1] + v[0] * v[1]) * FP16
+        for k, v in (cache.layer_shapes(layer) for layer in cache.layers())
+    )
