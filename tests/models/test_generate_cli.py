@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 STATS = re.compile(
     r"^\[stats\] prompt tokens: (\d+) \| prefill: [\d.]+ tok/s \| decode: [\d.]+ tok/s \| "
-    r"cache: [\d.]+ MiB \| peak RSS: \d+ MiB$"
+    r"cache: [\d.]+ MiB \| held: [\d.]+ MiB \(([\d.]+)x fp16\) \| peak RSS: \d+ MiB$"
 )
 
 
@@ -72,6 +72,22 @@ def test_errors_exit_with_message(capsys: pytest.CaptureFixture[str], tmp_path: 
     code = main(["generate", "--temperature", "-1", "hello"])
     assert code == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_press_frees_cells_and_the_stats_line_shows_it(capsys: pytest.CaptureFixture[str]):
+    prompt = "The cat sat on the mat. " * 40
+    ratios = {}
+    for press in (None, "snapkv:0.75"):
+        args = ("--temperature", "0", "--max-new-tokens", "4", "--kv-codec", "int8", prompt)
+        code, lines = run_cli(capsys, *args, *(("--press", press) if press else ()))
+        assert code == 0
+        match = STATS.match(lines[-1])
+        assert match, lines[-1]
+        ratios[press] = float(match.group(2))
+    assert 1.6 < ratios[None] < 2.0  # int8 alone: 1.94x fp16, less the rows waiting in fp16
+    assert ratios["snapkv:0.75"] > 3 * ratios[None]  # 3/4 of the prompt's cells freed
+    assert main(["generate", "--press", "snapkv:1.5", "hi"]) == 2
+    assert "snapkv:1.5" in capsys.readouterr().err
 
 
 def test_help_is_instant_and_readable():
