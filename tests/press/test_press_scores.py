@@ -102,6 +102,14 @@ def test_adakv_votes_follow_head_budgets() -> None:
 
     assert torch.equal(selected(scores, 2, 0.2)[0], sel)
     assert press.alpha == 0.2
+    # the safeguard: with alpha 0.5 each head keeps its 2 best first; without it the peaked
+    # head would keep only cell 0 and the flat head 7 cells
+    peaked = [10, 0.05, 0.04, 0.03, 0.02, 0.01, 0.005, 0.001]
+    flat = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    two = torch.tensor([[peaked, flat]], dtype=torch.float64)  # [1, 2, 8]
+    want = [[True, True] + [False] * 6, [True] * 6 + [False] * 2]
+    assert ref.adakv_selected(two[0], 4, 0.5).tolist() == want
+    assert selected(two, 4, 0.5)[0].tolist() == want
 
 
 def test_query_presses_need_an_observed_prefill(history_model: Llama, tokens: list[int]) -> None:

@@ -31,9 +31,9 @@ def window_attention(ctx: Scoring, layer: int) -> tuple[torch.Tensor, np.ndarray
     that hold the observed rows' own tokens)."""
     q, qpos = ctx.queries(layer)  # [w, Hq, D], [w]
     k, _ = ctx.kv(layer)  # [n, Hkv, D]
-    group = q.shape[1] // k.shape[1]
-    kq = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
-    logits = torch.einsum("whd,nhd->hwn", q, kq) / math.sqrt(q.shape[2])  # [Hq, w, n]
+    (w, hq, d), hkv = q.shape, k.shape[1]
+    qg = q.reshape(w, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)  # [Hkv, G*w, D]
+    logits = (qg @ k.permute(1, 2, 0)).view(hq, w, -1) / math.sqrt(d)  # [Hq, w, n]
     visible = torch.from_numpy(ctx.pos[None, :] <= qpos[:, None])  # [w, n]
     logits = logits.masked_fill(~visible, float("-inf"))
     return torch.softmax(logits, dim=-1), np.isin(ctx.pos, qpos)
