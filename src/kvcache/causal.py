@@ -417,14 +417,7 @@ class CausalCache:
         gone = cells[(pos >= begin) & (pos < end if end is not None else True)]
         moved = cells[pos >= end] if end is not None and end > begin else cells[:0]
         new_keys = self._shifted_keys(seq, moved, begin - (end or begin))
-        self._release(seq, gone)
-        self.cells.move(seq, moved, begin - (end or begin))
-        moved_t = torch.from_numpy(moved).to(self.device)
-        for layer, keys in new_keys.items():
-            self.storage.rewrite_keys(layer, moved_t, keys)
-        if len(self.cells.cells_of(seq)) == 0:
-            self._forget(seq)
-        self._fwd = None
+        self._drop_and_move(seq, gone, moved, begin - (end or begin), new_keys)
 
     def evict(
         self, seq: int, positions: Sequence[int] | np.ndarray, *, compact: bool = False
@@ -452,16 +445,27 @@ class CausalCache:
             moved, offsets = keep[offsets != 0], offsets[offsets != 0]
         new_keys = self._shifted_keys(seq, moved, offsets)
         free_before = self.cells.free_count()
+        self._drop_and_move(seq, gone, moved, offsets, new_keys)
+        return self.cells.free_count() - free_before
+
+    def _drop_and_move(
+        self,
+        seq: int,
+        gone: np.ndarray,
+        moved: np.ndarray,
+        offset: int | np.ndarray,
+        new_keys: dict[int, torch.Tensor],
+    ) -> None:
+        """The mutation of remove / evict (validated before): ``seq`` drops ``gone``, then
+        ``moved`` go ``offset`` positions further with their re-rotated keys."""
         self._release(seq, gone)
-        if len(moved):
-            self.cells.move(seq, moved, offsets)
-            moved_t = torch.from_numpy(moved).to(self.device)
-            for layer, keys in new_keys.items():
-                self.storage.rewrite_keys(layer, moved_t, keys)
+        self.cells.move(seq, moved, offset)
+        moved_t = torch.from_numpy(moved).to(self.device)
+        for layer, keys in new_keys.items():
+            self.storage.rewrite_keys(layer, moved_t, keys)
         if len(self.cells.cells_of(seq)) == 0:
             self._forget(seq)
         self._fwd = None
-        return self.cells.free_count() - free_before
 
     def _cells_at(self, seq: int, positions: Sequence[int] | np.ndarray) -> np.ndarray:
         """The cells holding ``seq``'s ``positions`` (each held, none repeated), or raise."""

@@ -69,13 +69,14 @@ def test_scores_and_kept_cells_equal_kvpress(
     if name == "adakv":
         votes = sum(ref.adakv_selected(want[i], kept).sum(0) for i in range(len(states)))
         score = ref.cell_score(want)
-        order = sorted(range(T), key=lambda i: (-int(votes[i]), -score[i], i))
+        order = sorted(range(T), key=lambda i: (i != T - 1, -int(votes[i]), -score[i], i))
         expect = sorted(order[:kept])
     else:
         expect = ref.cell_decision(ref.cell_score(want), kept)
     assert expect != list(range(T - kept, T))  # the choice is not just "the newest"
     freed = press.compress(cache, 0)
     assert cache.positions(0) == expect
+    assert cache.next_position(0) == T  # the newest cell stays: decode goes on at T
     assert freed == T - kept
     assert cache.free_cells() == cache.num_cells - kept
 

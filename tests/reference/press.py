@@ -7,8 +7,8 @@ pre-RoPE queries, rotated queries and keys, and values. The score functions foll
 kvpress's presses (``SnapKVPress``, ``TOVAPress``, ``KnormPress``, ``StreamingLLMPress``,
 ``ExpectedAttentionPress``, ``AdaKVPress``) on one sequence ([heads, tokens] instead of
 [batch, heads, tokens]); ``cell_decision`` is the documented rule that turns per-head scores
-into one decision per cell (kvcache.press.base): min-max per (layer, head), mean, top kept
-(ties: the earlier token).
+into one decision per cell (kvcache.press.base): min-max per (layer, head), mean, the
+newest token then the top others (ties: the earlier token).
 """
 
 from __future__ import annotations
@@ -161,6 +161,8 @@ def cell_score(scores: torch.Tensor) -> np.ndarray:
 
 
 def cell_decision(score: np.ndarray, kept: int) -> list[int]:
-    """The kept token indices: the ``kept`` best scores, ties to the earlier token."""
-    order = sorted(range(len(score)), key=lambda i: (-score[i], i))
+    """The kept token indices: the newest token, then the best scores, ties to the earlier
+    token (``kept`` in all)."""
+    last = len(score) - 1
+    order = sorted(range(len(score)), key=lambda i: (i != last, -score[i], i))
     return sorted(order[:kept])

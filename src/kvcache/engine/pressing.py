@@ -9,7 +9,10 @@ pressed prompt's cells no longer describe the prompt's blocks.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvcache.causal import CausalCache
+from kvcache.engine.request import Request
 from kvcache.engine.stats import EngineStats
 from kvcache.press import Press, make_press
 from kvcache.press.queries import QueryWindow
@@ -30,12 +33,22 @@ class Pressing:
     def start(cls, spec: str | None, cache: CausalCache, stats: EngineStats) -> Pressing | None:
         return None if spec is None else cls(make_press(spec), cache, stats)
 
-    def prefilled(self, seq: int) -> None:
-        """``seq`` computed its whole context: press it (once)."""
+    def prefilled(self, r: Request) -> None:
+        """``r`` computed its whole context: press its sequence (once). A compacting press
+        renumbers the survivors, so ``r.context`` keeps their tokens only (as a context
+        shift does) and the request goes on at the new next position."""
+        seq = r.seq
         if seq in self._done:
             return
         self._done.add(seq)
+        cells = self.cache.cells_of(seq)  # by position
+        positions = np.asarray(self.cache.positions(seq))
         self.stats.pressed_cells += self.press.compress(self.cache, seq)
+        if self.press.compact:
+            kept = positions[np.isin(cells, self.cache.cells_of(seq))]
+            assert len(r.context) == r.fed == int(positions[-1]) + 1, (len(r.context), r.fed)
+            r.context = [r.context[p] for p in kept.tolist()]
+            r.fed = len(r.context)
         self.window.forget(seq)
         self.window.ignored.add(seq)
 

@@ -317,7 +317,7 @@ class Engine:
             if not samples:
                 continue
             if self.press is not None:
-                self.press.prefilled(r.seq)
+                self.press.prefilled(r)
             self.reuse.on_prefilled(r)
             events.append(self._accept(r, picker.pick(row, r)))
             row += 1

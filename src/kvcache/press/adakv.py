@@ -14,7 +14,7 @@ contract (masks, remove, copy_prefix, can_resume) is untouched::
 
     selected [L, Hkv, n]   AdaKV's per-layer choice over (head, cell) pairs
     votes    [n]           selected.sum over layers and heads
-    kept                   top ``kept`` of (votes, inner cell score)
+    kept                   the newest cell, then top of (votes, inner cell score)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.press.base import Press, Scoring, aggregate
+from kvcache.press.base import Press, Scoring, aggregate, newest_first
 
 ALPHA = 0.2  # kvpress's alpha_safeguard
 
@@ -47,7 +47,7 @@ class AdaKV(Press):
 
     def select(self, ctx: Scoring, keep: int) -> np.ndarray:
         scores = self.scores(ctx)  # [L, Hkv, n]
-        votes = selected(scores, keep, self.alpha).sum(dim=(0, 1)).numpy()  # [n]
+        votes = newest_first(selected(scores, keep, self.alpha).sum(dim=(0, 1)).numpy())  # [n]
         order = np.lexsort((np.arange(len(votes)), -aggregate(scores), -votes))
         return np.sort(order[:keep])
 

@@ -9,7 +9,12 @@ scores into one decision per cell::
                                position); each press computes them its own way
     normalised  [L, Hkv, n]    min-max per (layer, head) to [0, 1] (a constant head: 0)
     cell score  [n]            mean over layers and heads
-    kept        the round-down (1 - ratio) * n best cells (ties: the earlier position)
+    kept        the newest cell, then the best of the others, (1 - ratio) * n in all
+                (rounded down; ties: the earlier position)
+
+The newest cell is always kept: with mask-only eviction the sequence then goes on at the
+same ``next_position`` (one past its newest stored token), as kvpress's pruned cache goes on
+at the prompt's length, and the next query sits next to a key it can see.
 
 ``ratio`` is the fraction removed (kvpress's ``compression_ratio``), applied to the cells
 the sequence holds now. The keys a press reads are the cache's own (``CausalCache.read``,
@@ -56,6 +61,7 @@ class Scoring:
     pos: np.ndarray  # [n] their positions, ascending
     window: QueryWindow | None
     keep: int  # cells to keep
+    memo: dict[object, torch.Tensor] = field(default_factory=dict)  # per-press reusables
     _reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def layers(self) -> list[int]:
@@ -94,7 +100,7 @@ class Press(ABC):
 
     def select(self, ctx: Scoring, keep: int) -> np.ndarray:
         """Indices (into ctx.cells) of the ``keep`` cells kept."""
-        return top_cells(aggregate(self.scores(ctx)), keep)
+        return top_cells(newest_first(aggregate(self.scores(ctx))), keep)
 
     # ---- the API ---------------------------------------------------------------------------
     def observe(self, cache: CausalCache) -> QueryWindow:
@@ -197,6 +203,14 @@ def aggregate(scores: torch.Tensor) -> np.ndarray:
     span = s.amax(dim=-1, keepdim=True) - lo
     norm = torch.where(span > 0, (s - lo) / span.clamp_min(1e-300), torch.zeros_like(s))
     return norm.mean(dim=(0, 1)).numpy()
+
+
+def newest_first(score: np.ndarray) -> np.ndarray:
+    """``score`` [n] (a copy) with the newest cell (the last) above every other."""
+    out = score.astype(np.float64).copy()
+    if len(out):
+        out[-1] = np.inf
+    return out
 
 
 def top_cells(score: np.ndarray, keep: int) -> np.ndarray:

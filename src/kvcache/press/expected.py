@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvcache.press.base import Press, Scoring
+from kvcache.protocol import RotaryShift
 
 ROWS = 64
 FUTURE = 512
@@ -83,7 +84,10 @@ class ExpectedAttention(Press):
         mu = q0.mean(dim=0)  # [Hq, D]
         centred = (q0 - mu).transpose(0, 1)  # [Hq, w, D]
         s = centred.transpose(1, 2) @ centred / max(len(qpos), 1)  # [Hq, D, D]
-        r = self._mean_rotation(ctx, layer, q.shape[2])  # [D, D]
+        key = ("rotation", None if isinstance(ctx.cache.shift, RotaryShift) else layer)
+        r = ctx.memo.get(key)  # a rotary shift is the same in every layer: built once
+        if r is None:
+            r = ctx.memo[key] = self._mean_rotation(ctx, layer, q.shape[2])  # [D, D]
         return mu @ r.T, r @ s @ r.T
 
     def _mean_rotation(self, ctx: Scoring, layer: int, d: int) -> torch.Tensor:
