@@ -251,6 +251,20 @@ class CausalMachine(RuleBasedStateMachine):
             if token.uid in before:  # the decoding error, carried through the shift
                 self.slack[token.uid] = self._carried(token, before[token.uid])
 
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        """A press's eviction: any subset of a sequence's positions, survivors unmoved."""
+        seq = data.draw(self._held_seq(), label="seq")
+        stored = self.ref.positions(seq)
+        if not stored:
+            return
+        drop = data.draw(st.lists(st.sampled_from(stored), unique=True), label="evict")
+        freed = self.cache.evict(seq, drop)
+        assert freed == self.ref.evict(seq, drop), (freed, drop)
+        self._changed()
+        if not self.ref.seqs.get(seq):
+            self._emptied(seq)
+
     @rule(dst=SEQS, data=st.data())
     def copy_prefix(self, dst: int, data: st.DataObject) -> None:
         src = data.draw(self._held_seq() | SEQS, label="src")

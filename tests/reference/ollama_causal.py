@@ -181,6 +181,15 @@ class OllamaCausal:
         self.seqs[seq] = out
         return moved
 
+    def evict(self, seq: int, positions: list[int]) -> int:
+        """A press's eviction (mask only, kvcache.press): ``seq`` stops holding the tokens at
+        ``positions``; the others keep their positions, and a token another sequence still
+        holds stays stored. Returns the cells freed (tokens nobody holds any more)."""
+        before = self.used_cells()
+        toks = self.seqs.get(seq, {})
+        self.seqs[seq] = {p: t for p, t in toks.items() if p not in set(positions)}
+        return before - self.used_cells()
+
     def can_resume(self, seq: int, pos: int) -> bool:
         """spec §3.10 (and contract): can a token at ``pos`` be processed from what is
         still stored? Everything it attends to (its window, W not M) must still be stored and
