@@ -106,6 +106,7 @@ def main() -> None:
                         }
                     )
                     print(table(rows[-1:], list(rows[-1])), flush=True)
+                    write_json("press_compact", {"ratio": args.ratio, "rows": rows})  # so far
     cols = ["codec", "window", "press", "mode", "dppl_pct", "kl", "top1", "press_ms"]
     print(table(rows, [*cols, "press_vs_prefill"]))
     write_json("press_compact", {"ratio": args.ratio, "prefill": PREFILL, "rows": rows})
