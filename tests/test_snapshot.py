@@ -370,3 +370,25 @@ def test_load_errors_are_typed(tmp_path: Path):
         Snapshot.load(path)
     assert issubclass(SnapshotVersionError, SnapshotError)
     assert issubclass(SnapshotError, ValueError)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4", "kivi4", "turbo4", "int8/int4"])
+def test_head_is_restore_then_remove(model: Llama, codec: str):
+    """A snapshot's first k cells restore to what restoring all of them and removing the
+    rest leaves: the same bytes, the same next logits (k cuts kivi groups and windows)."""
+    snap = filled(model, codec).snapshot(0, model_id="m", tokens=tokens(PROMPT + DECODED))
+    for k in (1, 70, 150, PROMPT + DECODED):
+        cut = model.new_cache(512, max_sequences=4, codec=codec)
+        cut.restore(snap.head(k), 0, model_id="m")
+        whole = model.new_cache(512, max_sequences=4, codec=codec)
+        whole.restore(snap, 0, model_id="m")
+        whole.remove(0, k)
+        a, b = cut.snapshot(0), whole.snapshot(0)
+        assert sorted(a.tensors) == sorted(b.tensors)
+        for name, t in a.tensors.items():
+            assert torch.equal(b.tensors[name], t), (k, name)
+        assert snap.head(k).tokens == snap.tokens[:k]  # type: ignore[index]
+        after = tokens(3, seed=11)
+        assert torch.equal(decode(model, cut, 0, after, k), decode(model, whole, 0, after, k))
+    with pytest.raises(InvalidArgumentError, match="count"):
+        snap.head(0)

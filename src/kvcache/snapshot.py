@@ -106,6 +106,49 @@ class Snapshot:
         t = self.tensors.get("tokens")
         return None if t is None else [int(x) for x in t.tolist()]
 
+    def head(self, count: int) -> Snapshot:
+        """The first ``count`` cells by position, as ``remove(seq, positions[count])`` after
+        a restore would leave them (no re-encoding: rows are sliced, unused records go)."""
+        n = len(self)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= n:
+            raise InvalidArgumentError("count", count, f"an int in [1, {n}]")
+        out: dict[str, torch.Tensor] = {
+            k: self.tensors[k][:count].clone() for k in ("positions", "tokens") if k in self.tensors
+        }
+        opened: dict[str, int] = {}
+        kept_records: dict[str, torch.Tensor] = {}
+        for w in [k.split(".")[1] for k in self.tensors if k.endswith(".open")]:
+            open_ = self.tensors[f"window.{w}.open"][:count]
+            record = self.tensors[f"window.{w}.record"][:count]
+            sequence = int(self.tensors[f"window.{w}.sequence"][0])
+            used = torch.unique(torch.cat([record[record >= 0], torch.tensor([sequence])]))
+            used = used[used >= 0]  # old local ids kept, ascending
+            remap = torch.full((max(int(used.max()) + 1, 1) if len(used) else 1,), -1)
+            remap[used] = torch.arange(len(used))
+            out[f"window.{w}.open"] = open_.clone()
+            out[f"window.{w}.record"] = torch.where(record >= 0, remap[record.clamp_min(0)], -1).to(
+                torch.int32
+            )
+            out[f"window.{w}.sequence"] = torch.tensor(
+                [int(remap[sequence]) if sequence >= 0 else -1], dtype=torch.int32
+            )
+            opened[w] = int(open_.sum())
+            kept_records[w] = used
+        for name, t in self.tensors.items():
+            if not name.startswith("layer."):
+                continue
+            _, layer, role, field = name.split(".", 3)
+            owner = _owner(self.tensors, layer, role)
+            if owner is None:
+                out[name] = t[:count].clone()  # a float buffer: one row a cell
+            elif field == "residual":
+                out[name] = t[: opened[owner]].clone()
+            elif field.startswith("record."):
+                out[name] = t.index_select(0, kept_records[owner])
+            else:
+                out[name] = t[: count - opened[owner]].clone()
+        return Snapshot({**self.header, "cells": count}, out)
+
     def nbytes(self) -> int:
         """Bytes of the stored cells: every layer's tensors (the bookkeeping not counted)."""
         return sum(_nbytes(t) for n, t in self.tensors.items() if n.startswith("layer."))
@@ -343,6 +386,13 @@ def _window_of(storage: Storage, role: str) -> str | None:
         if windows is mine:
             return w
     return None
+
+
+def _owner(tensors: Mapping[str, torch.Tensor], layer: str, role: str) -> str | None:
+    """Window a snapshot's buffer uses: its role's, else the keys' (shared), None (float)."""
+    if f"layer.{layer}.{role}.residual" not in tensors:
+        return None
+    return role if f"window.{role}.open" in tensors else "key"
 
 
 _HEADER_TYPES = {
