@@ -206,6 +206,19 @@ def test_mismatched_restore_is_refused(model: Llama, change: str):
         assert torch.equal(next_logits(model, target), logits)
 
 
+def test_caches_of_another_model_refuse_by_default(model: Llama):
+    """new_cache stamps the model's id: no model_id argument is needed to be refused."""
+    snap = filled(model, "int4").snapshot(0)
+    assert snap.model_id == model.model_id
+    twin = history_llama(replace(TINY, head_dim=16), seed=4, dtype=torch.float32)  # same shapes
+    target = twin.new_cache(512, max_sequences=4, codec="int4")
+    before = observable(target)
+    with pytest.raises(SnapshotMismatchError):
+        target.restore(snap, 0)
+    assert observable(target) == before
+    model.new_cache(512, max_sequences=4, codec="int4").restore(snap, 0)  # its own model: fine
+
+
 def test_restore_into_a_full_cache_raises_cache_full(model: Llama):
     snap = filled(model, "turbo4").snapshot(0)
     target = crowded(model, "turbo4", capacity=64)  # 4 sequences x 64 cells, 51 used

@@ -108,6 +108,7 @@ class CausalCache:
             raise InvalidConfigError("dtype", dtype, "a floating torch.dtype")
         self.memory = self._normalise_memory(memory)
         self.shift = shift
+        self.model_id: ModelId = ""  # which model's K/V this holds (snapshots check it)
         self.dtype = dtype
         self.device = torch.device(device)
         self.policy = Policy(window=self.window, chunk=self.chunk, memory=self.memory)
@@ -462,21 +463,24 @@ class CausalCache:
 
     # ---- snapshots (kvcache.snapshot) --------------------------------------------------
     def snapshot(
-        self, seq: int, *, model_id: ModelId = "", tokens: Sequence[int] | None = None
+        self, seq: int, *, model_id: ModelId | None = None, tokens: Sequence[int] | None = None
     ) -> Snapshot:
         """``seq``'s cells exactly as stored (codes, fp16 window rows, positions), to restore
-        later or elsewhere; ``model_id`` names the model (``Llama.model_id``), ``tokens``
-        optionally each cell's token id. Changes nothing."""
+        later or elsewhere; ``model_id`` names the model (default: the cache's ``model_id``,
+        which ``Llama.new_cache`` sets), ``tokens`` optionally each cell's token id. Changes
+        nothing."""
         self._check_open()
-        return take_snapshot(self, int_arg("seq", seq), model_id, tokens)
+        mid = self.model_id if model_id is None else model_id
+        return take_snapshot(self, int_arg("seq", seq), mid, tokens)
 
-    def restore(self, snapshot: Snapshot, seq: int, *, model_id: ModelId = "") -> None:
+    def restore(self, snapshot: Snapshot, seq: int, *, model_id: ModelId | None = None) -> None:
         """Write ``snapshot``'s cells, as they were stored, into free cells as ``seq`` (which
         must hold none). Raises SnapshotMismatchError (another model id, codec, key_rope,
         dtype, policy or layer shape), SnapshotCorruptError, CacheFullError; each changes
         nothing."""
         self._check_open()
-        restore_snapshot(self, snapshot, int_arg("seq", seq), model_id)
+        mid = self.model_id if model_id is None else model_id
+        restore_snapshot(self, snapshot, int_arg("seq", seq), mid)
         self._fwd = None
 
     # ---- introspection ---------------------------------------------------------------

@@ -215,8 +215,9 @@ class Llama:
         codec: str | None = None,
     ) -> CausalCache:
         """A causal cache for this model: its dtype, RoPE as the shift of middle removals,
-        and ``codec`` (a registry spec such as "int8" or "int8/int4"; None: the dtype)."""
-        return CausalCache(
+        and ``codec`` (a registry spec such as "int8" or "int8/int4"; None: the dtype);
+        stamped with ``model_id`` so its snapshots refuse another model's cache."""
+        cache = CausalCache(
             capacity,
             max_sequences=max_sequences,
             max_batch=max_batch,
@@ -225,6 +226,8 @@ class Llama:
             dtype=self.dtype,
             codec=codec,
         )
+        cache.model_id = self.model_id  # its snapshots name this model
+        return cache
 
     # ---- forward ---------------------------------------------------------------------
     def forward(
