@@ -10,6 +10,12 @@ measured side by side in one run:
 2. A second replica through Redis vs cold prefill: replica A computes a ~1k-token prompt
    cold, replica B (fresh, same Redis) answers the same prompt loading A's blocks.
 3. 1 vs 8 concurrent clients: aggregate generated tokens/s on short distinct prompts.
+4. Oversubscription (issue 12): 16 concurrent two-turn sessions (distinct ~1.1k-token system
+   prompts, the second turn continues the first answer) on a server whose pool holds 8
+   requests' context (``--max-sequences 16 --pool-sequences 8``): preempted requests spilled
+   to host memory and restored vs recomputed (``--spill memory`` vs ``--spill off``).
+   Aggregate generated tokens/s, and the resume stall (the longest gap between two tokens
+   of a request, p99 over requests: a preempted request waits, then restores or recomputes).
 
 Every request is greedy with ``ignore_eos``, so a correct answer has exactly max_tokens
 tokens, finish_reason "length", the prompt token count the tokenizer gives, a stream that
@@ -22,6 +28,9 @@ replica A/B, 1/8 clients). Any other answer counts as failed or wrong.
 Writes benchmarks/results/serve_load.json and, with matplotlib, serve_load.png.
 Goals (issue 7): TTFT p50 >= 10x lower with reuse; replica via Redis >= 5x lower TTFT than
 cold prefill; 8 clients >= 4x the generated tokens/s of 1; zero failed or wrong responses.
+Issue 12: spill >= 1.5x recompute's generated tokens/s and >= 5x lower resume stall, with
+zero failed or wrong responses (both runs must give every turn the same text).
+``--questions`` runs a subset (e.g. ``--questions oversubscribed``).
 """
 
 from __future__ import annotations
@@ -359,6 +368,10 @@ class Plan:
     concurrency_requests: int
     concurrency_max_tokens: int
     server_args: tuple[str, ...]
+    sessions: int = 16  # oversubscribed: concurrent multi-turn sessions
+    pool_sequences: int = 8  # ... over a pool of this many requests' context
+    session_tokens: int = 1100  # ... each with a distinct system prompt of about this size
+    turns: int = 2
 
 
 def reuse_on_off(
@@ -435,45 +448,116 @@ def one_vs_eight(
     return rows
 
 
+async def session_turns(
+    http: httpx.AsyncClient, url: str, tokenizer: Tokenizer, plan: Plan, i: int
+) -> list[tuple[Ask, Outcome]]:
+    """One multi-turn session: each turn sends the conversation so far plus a question."""
+    system = system_prompt(tokenizer, plan.session_tokens, f"s{i}")
+    messages = [{"role": "system", "content": system}]
+    out = []
+    for t in range(plan.turns):
+        question = f"Turn {t}: what should I know about {TOPICS[(i + t) % len(TOPICS)]}?"
+        messages = [*messages, {"role": "user", "content": question}]
+        one = Ask(f"multi-{i}-{t}", messages, len(tokenizer.encode(tokenizer.apply_chat(messages))))
+        got = await stream_chat(http, url, one, plan.max_tokens)
+        out.append((one, got))
+        if not got.ok:
+            break
+        messages = [*messages, {"role": "assistant", "content": got.text}]
+    return out
+
+
+async def all_sessions(
+    url: str, tokenizer: Tokenizer, plan: Plan
+) -> tuple[list[tuple[Ask, Outcome]], float]:
+    limits = httpx.Limits(max_connections=plan.sessions + 1)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, limits=limits) as http:
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(
+            *(session_turns(http, url, tokenizer, plan, i) for i in range(plan.sessions))
+        )
+        wall = time.perf_counter() - t0
+    return [pair for run in runs for pair in run], wall
+
+
+def oversubscribed(
+    plan: Plan, tokenizer: Tokenizer, checker: Checker, folder: Path
+) -> list[dict[str, Any]]:
+    """Concurrent multi-turn sessions over a pool for fewer: spill vs recompute preemption."""
+    base = [
+        *plan.server_args,
+        "--max-sequences",
+        str(plan.sessions),
+        "--pool-sequences",
+        str(plan.pool_sequences),
+    ]
+    rows = []
+    with servers(folder, [*base, "--spill", "memory"], [*base, "--spill", "off"]) as pair:
+        for name, server in zip(("spill", "recompute"), pair, strict=True):
+            run_load(server.url, [ask(tokenizer, "warm", None, "Hi")], 1, 4)  # warm-up
+            turns, wall = asyncio.run(all_sessions(server.url, tokenizer, plan))
+            asks, outcomes = [a for a, _ in turns], [o for _, o in turns]
+            checker.check(asks, outcomes)
+            row = summarize(name, outcomes, wall, plan.sessions)
+            stalls = [max(o.gaps) for o in outcomes if o.ok and o.gaps]
+            row["stall_p99_ms"] = 1000 * percentile(stalls, 99)
+            m = server.metrics()
+            for key in ("preemptions", "spills", "restores", "computed_tokens"):
+                row[key] = m.get(f"kvcache_{key}_total", 0.0)
+            rows.append(row)
+    return rows
+
+
+QUESTIONS = {
+    "reuse": reuse_on_off,
+    "replica": replica_via_redis,
+    "concurrency": one_vs_eight,
+    "oversubscribed": oversubscribed,
+}
+
+
 # ---- report --------------------------------------------------------------------------
 def ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("inf")
 
 
-def goals(
-    reuse: list[dict[str, Any]],
-    replica: list[dict[str, Any]],
-    conc: list[dict[str, Any]],
-    checker: Checker,
-) -> dict[str, Any]:
-    on, off = reuse
-    cold, warm = replica
-    one, eight = conc
-    ttft_reuse = ratio(off["ttft_p50_s"], on["ttft_p50_s"])
-    ttft_replica = ratio(cold["ttft_p50_s"], warm["ttft_p50_s"])
-    scaling = ratio(eight["gen_tok_s"], one["gen_tok_s"])
-    return {
-        "ttft_p50_off_over_on": {"value": ttft_reuse, "goal": 10.0, "met": ttft_reuse >= 10},
-        "ttft_p50_cold_over_redis_replica": {
-            "value": ttft_replica,
+def goals(results: dict[str, list[dict[str, Any]]], checker: Checker) -> dict[str, Any]:
+    """Each goal of the questions that ran, plus zero failed or wrong responses."""
+    out: dict[str, Any] = {}
+    if "reuse" in results:
+        on, off = results["reuse"]
+        v = ratio(off["ttft_p50_s"], on["ttft_p50_s"])
+        out["ttft_p50_off_over_on"] = {"value": v, "goal": 10.0, "met": v >= 10}
+    if "replica" in results:
+        cold, warm = results["replica"]
+        v = ratio(cold["ttft_p50_s"], warm["ttft_p50_s"])
+        out["ttft_p50_cold_over_redis_replica"] = {"value": v, "goal": 5.0, "met": v >= 5}
+    if "concurrency" in results:
+        one, eight = results["concurrency"]
+        v = ratio(eight["gen_tok_s"], one["gen_tok_s"])
+        out["gen_tok_s_8_over_1"] = {"value": v, "goal": 4.0, "met": v >= 4}
+    if "oversubscribed" in results:
+        spill, recompute = results["oversubscribed"]
+        v = ratio(spill["gen_tok_s"], recompute["gen_tok_s"])
+        out["oversubscribed_gen_tok_s_spill_over_recompute"] = {
+            "value": v,
+            "goal": 1.5,
+            "met": v >= 1.5,
+        }
+        v = ratio(recompute["stall_p99_ms"], spill["stall_p99_ms"])
+        out["oversubscribed_stall_p99_recompute_over_spill"] = {
+            "value": v,
             "goal": 5.0,
-            "met": ttft_replica >= 5,
-        },
-        "gen_tok_s_8_over_1": {"value": scaling, "goal": 4.0, "met": scaling >= 4},
-        "failed_or_wrong": {
-            "value": checker.failed + checker.wrong,
-            "goal": 0,
-            "met": checker.failed + checker.wrong == 0,
-        },
-    }
+            "met": v >= 5,
+        }
+        v = float(spill["spills"])
+        out["oversubscribed_spills"] = {"value": v, "goal": ">0", "met": v > 0}
+    bad = checker.failed + checker.wrong
+    out["failed_or_wrong"] = {"value": bad, "goal": 0, "met": bad == 0}
+    return out
 
 
-def plot(
-    reuse: list[dict[str, Any]],
-    replica: list[dict[str, Any]],
-    conc: list[dict[str, Any]],
-    path: Path,
-) -> None:
+def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     try:
         import matplotlib
 
@@ -482,15 +566,20 @@ def plot(
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     panels = [
-        (reuse, "ttft_p50_s", "TTFT p50 (s), shared 1k prefix"),
-        (replica, "ttft_p50_s", "TTFT p50 (s), second replica"),
-        (conc, "gen_tok_s", "generated tokens/s"),
+        (q, key, title)
+        for q, key, title in (
+            ("reuse", "ttft_p50_s", "TTFT p50 (s), shared 1k prefix"),
+            ("replica", "ttft_p50_s", "TTFT p50 (s), second replica"),
+            ("concurrency", "gen_tok_s", "generated tokens/s"),
+            ("oversubscribed", "gen_tok_s", "generated tokens/s, oversubscribed pool"),
+        )
+        if q in results
     ]
-    for ax, (rows, key, title) in zip(axes, panels, strict=True):
-        names = [r["run"] for r in rows]
-        values = [r[key] for r in rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4), squeeze=False)
+    for ax, (q, key, title) in zip(axes[0], panels, strict=True):
+        names = [r["run"] for r in results[q]]
+        values = [r[key] for r in results[q]]
         ax.bar(names, values, color=["tab:blue", "tab:orange"])
         ax.set_title(title)
         for i, v in enumerate(values):
@@ -519,6 +608,13 @@ def main() -> int:
         "--prefix-tokens", type=int, default=1024, help="shared system prompt (1024)"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads per server (2)")
+    parser.add_argument(
+        "--questions",
+        nargs="+",
+        choices=QUESTIONS,
+        default=list(QUESTIONS),
+        help="which questions to run (all)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = parser.parse_args()
     quick = args.quick
@@ -531,18 +627,22 @@ def main() -> int:
         concurrency_requests=8 if quick else 16,
         concurrency_max_tokens=32 if quick else 64,
         server_args=("--capacity", "2048", "--threads", str(args.threads)),
+        sessions=6 if quick else 16,
+        pool_sequences=2 if quick else 8,
+        session_tokens=700 if quick else 1100,
     )
     tokenizer = Tokenizer.from_gguf()
     checker = Checker(plan.max_tokens)
+    results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="serve_load-") as tmp:
         folder = Path(tmp)
-        reuse = reuse_on_off(plan, tokenizer, checker, folder)
-        replica = replica_via_redis(plan, tokenizer, checker, folder)
-        conc_checker = Checker(plan.concurrency_max_tokens)
-        conc = one_vs_eight(plan, tokenizer, conc_checker, folder)
-    checker.failed += conc_checker.failed
-    checker.wrong += conc_checker.wrong
-    checker.problems += conc_checker.problems
+        for question in args.questions:
+            own = Checker(plan.concurrency_max_tokens) if question == "concurrency" else checker
+            results[question] = QUESTIONS[question](plan, tokenizer, own, folder)
+            if own is not checker:
+                checker.failed += own.failed
+                checker.wrong += own.wrong
+                checker.problems += own.problems
     columns = [
         "run",
         "clients",
@@ -554,21 +654,24 @@ def main() -> int:
         "gen_tok_s",
         "req_s",
     ]
-    print(table(reuse + replica + conc, columns))
-    result = goals(reuse, replica, conc, checker)
+    print(table([row for rows in results.values() for row in rows], columns))
+    if "oversubscribed" in results:
+        print()
+        extra = ["run", "stall_p99_ms", "preemptions", "spills", "restores", "computed_tokens"]
+        print(table(results["oversubscribed"], extra))
+    result = goals(results, checker)
     print()
     for name, g in result.items():
         print(f"{name}: {g['value']:.3g} (goal {g['goal']}) {'met' if g['met'] else 'NOT met'}")
     for problem in checker.problems[:20]:
         print("problem:", problem)
+    name = "serve_load" if set(args.questions) == set(QUESTIONS) else "serve_load_partial"
     path = write_json(
-        "serve_load",
+        name,
         {
             "plan": plan.__dict__,
             "quick": quick,
-            "reuse": reuse,
-            "replica": replica,
-            "concurrency": conc,
+            **results,
             "goals": result,
             "failed": checker.failed,
             "wrong": checker.wrong,
@@ -577,7 +680,7 @@ def main() -> int:
     )
     print(f"wrote {path}")
     if not args.no_plot:
-        plot(reuse, replica, conc, RESULTS / "serve_load.png")
+        plot(results, RESULTS / f"{name}.png")
     return 0 if checker.failed + checker.wrong == 0 else 1
 
 

@@ -60,6 +60,9 @@ from kvcache.kernels.attend import attend
 from kvcache.kernels.reference import grouped_attention
 from kvcache.policy import Policy
 from kvcache.protocol import RotaryShift, ShiftFn
+from kvcache.snapshot import ModelId, Snapshot
+from kvcache.snapshot import restore as restore_snapshot
+from kvcache.snapshot import take as take_snapshot
 from kvcache.storage import Storage, check_kv
 from kvcache.validate import config_int, int_arg, optional_config_int
 
@@ -108,6 +111,7 @@ class CausalCache:
             raise InvalidConfigError("dtype", dtype, "a floating torch.dtype")
         self.memory = self._normalise_memory(memory)
         self.shift = shift
+        self.model_id: ModelId = ""  # which model's K/V this holds (snapshots check it)
         self.dtype = dtype
         self.device = torch.device(device)
         self.policy = Policy(window=self.window, chunk=self.chunk, memory=self.memory)
@@ -540,6 +544,28 @@ class CausalCache:
             return False
         window = self.window or 0
         return max(0, pos - window) >= int(stored.min()) and pos <= int(stored.max()) + 1
+
+    # ---- snapshots (kvcache.snapshot) --------------------------------------------------
+    def snapshot(
+        self, seq: int, *, model_id: ModelId | None = None, tokens: Sequence[int] | None = None
+    ) -> Snapshot:
+        """``seq``'s cells exactly as stored (codes, fp16 window rows, positions), to restore
+        later or elsewhere; ``model_id`` names the model (default: the cache's ``model_id``,
+        which ``Llama.new_cache`` sets), ``tokens`` optionally each cell's token id. Changes
+        nothing."""
+        self._check_open()
+        mid = self.model_id if model_id is None else model_id
+        return take_snapshot(self, int_arg("seq", seq), mid, tokens)
+
+    def restore(self, snapshot: Snapshot, seq: int, *, model_id: ModelId | None = None) -> None:
+        """Write ``snapshot``'s cells, as they were stored, into free cells as ``seq`` (which
+        must hold none). Raises SnapshotMismatchError (another model id, codec, key_rope,
+        dtype, policy or layer shape), SnapshotCorruptError, CacheFullError; each changes
+        nothing."""
+        self._check_open()
+        mid = self.model_id if model_id is None else model_id
+        restore_snapshot(self, snapshot, int_arg("seq", seq), mid)
+        self._fwd = None
 
     # ---- introspection ---------------------------------------------------------------
     def read(self, layer: int, cells: Locs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,3 +69,28 @@ class CallOrderError(KVCacheError, RuntimeError):
 class StoreUnavailableError(KVCacheError, OSError):
     """A prefix block store could not be read or written (e.g. Redis down). The engine
     counts it and goes on as with a miss: the prefix is computed instead."""
+
+
+class SnapshotError(KVCacheError, ValueError):
+    """A sequence snapshot cannot be read or restored; the cache was left unchanged."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """A snapshot file is truncated, edited or inconsistent (its SHA-256 or layout is wrong)."""
+
+
+class SnapshotVersionError(SnapshotError):
+    """A snapshot file is of another format or format version than this kvcache reads."""
+
+
+class SnapshotMismatchError(SnapshotError):
+    """A snapshot is of another model, codec, key_rope mode, dtype or layer shape than the
+    cache it is restored into; ``field`` names what differs."""
+
+    def __init__(self, field: str, snapshot: object, cache: object) -> None:
+        self.field = field
+        self.snapshot = snapshot
+        self.cache = cache
+        super().__init__(
+            f"snapshot {field}={snapshot!r} does not match the cache's {field}={cache!r}"
+        )

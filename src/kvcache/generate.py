@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvcache.causal import CausalCache
 from kvcache.engine.params import EngineConfig, RequestParams
 from kvcache.engine.request import Event, Request
 from kvcache.engine.scheduler import Engine, Prompt
+from kvcache.engine.session import restore_session, session_snapshot
 from kvcache.engine.stats import EngineStats
 from kvcache.errors import InvalidArgumentError
 from kvcache.models.llama import Llama
 from kvcache.models.sampling import SamplingParams
+from kvcache.snapshot import Snapshot
 from kvcache.text.tokenizer import Tokenizer
 
 TextEvent = Event  # the name this module's events had before the engines were one
@@ -62,6 +65,7 @@ class Completion:
     tokens: list[int]
     text: str
     finish_reason: str
+    cached_tokens: int = 0  # prompt tokens reused (a prefix hit, a session) instead of computed
 
 
 class Generator:
@@ -79,12 +83,14 @@ class Generator:
         keep: int | None = None,
         codec: str | None = None,
         block_size: int = 1,
+        spill: str = "memory",
         press: str | None = None,
     ) -> None:
         """``capacity``: positions per sequence (past it the context shifts); ``keep``:
         tokens a shift keeps at the start (default min(4, capacity // 4)); ``codec``: how
-        the cache stores K/V (a ``kvcache.codecs`` spec; None: the model's dtype); ``press``:
-        a ``kvcache.press`` spec applied to each request after its prefill."""
+        the cache stores K/V (a ``kvcache.codecs`` spec; None: the model's dtype);
+        ``spill``: where a preempted sequence's K/V waits ("memory" or "disk:PATH");
+        ``press``: a ``kvcache.press`` spec applied to each request after its prefill."""
         config = EngineConfig(
             capacity=capacity,
             max_sequences=max_sequences,
@@ -94,6 +100,7 @@ class Generator:
             keep=keep,
             codec=codec,
             block_size=block_size,
+            spill=spill,
             press=press,
         )
         self.engine = Engine(model, tokenizer, config)
@@ -143,9 +150,30 @@ class Generator:
             if event.finished:
                 r = self._requests.pop(event.request)
                 self.results[r.id] = Completion(
-                    r.id, r.prompt, r.generated, "".join(r.text), r.finish_reason or ""
+                    r.id,
+                    r.prompt,
+                    r.generated,
+                    "".join(r.text),
+                    r.finish_reason or "",
+                    r.cached_tokens or 0,
                 )
         return events
+
+    # ---- sessions (kvcache.engine.session) ---------------------------------------------
+    def load_session(self, path: str | Path, prompt: Sequence[int]) -> tuple[int, int]:
+        """Restore the cells of a session file whose tokens start ``prompt``, as a prefix
+        the prompt then shares; (tokens restored, tokens in the file). Raises SnapshotError
+        (changing nothing) for a damaged file or another model's or codec's."""
+        snap = Snapshot.load(path)
+        return restore_session(self.engine, snap, prompt), len(snap)
+
+    def save_session(self, path: str | Path, prompt: Sequence[int]) -> int:
+        """Save the cells of the longest prefix of ``prompt`` held (after a run); tokens saved."""
+        snap = session_snapshot(self.engine, list(prompt))
+        if snap is None:
+            return 0
+        snap.save(path)
+        return len(snap)
 
     def close(self) -> None:
         """Release the cache storage."""

@@ -85,6 +85,17 @@ class WindowSpec:
         assert self.meta in META_KINDS, f"meta kind {self.meta!r} not in {META_KINDS}"
 
 
+@dataclass(frozen=True)
+class WindowState:
+    """One sequence's part of a :class:`Windows` (what a snapshot keeps): per cell by
+    position whether its row is open and its metadata record, records numbered locally."""
+
+    open: np.ndarray  # [n] bool: row held in fp16
+    record: np.ndarray  # [n] int32: local record of a sealed row (-1: none)
+    sequence: int  # local record of the sequence itself (-1: none)
+    count: int  # records 0 .. count-1
+
+
 class Windows:
     """The fp16 windows and metadata ids of one :class:`WindowSpec` over ``n`` cells."""
 
@@ -175,6 +186,52 @@ class Windows:
         meta = self.seq_meta.pop(seq, None)
         if meta is not None:
             self._drop_user(meta)
+
+    # ---- snapshots ---------------------------------------------------------------------
+    def export(self, seq: int, cells: np.ndarray) -> tuple[WindowState, np.ndarray]:
+        """``seq``'s state over its ``cells`` (by position), and the global ids of its records."""
+        metas = self.meta_of[cells]
+        own = self.seq_meta.get(seq, -1)
+        ids = np.unique(np.concatenate([metas[metas >= 0], [own] if own >= 0 else []]))
+        ids = ids.astype(np.int64)
+        local = np.where(metas >= 0, np.searchsorted(ids, metas), -1).astype(np.int32)
+        seq_local = int(np.searchsorted(ids, own)) if own >= 0 else -1
+        return WindowState(self.open[cells].copy(), local, seq_local, len(ids)), ids
+
+    def problem(self, state: WindowState) -> str | None:
+        """What makes ``state`` impossible for this spec (None: it can be adopted)."""
+        rec, open_ = state.record, state.open
+        if rec.min(initial=0) < -1 or rec.max(initial=-1) >= state.count:
+            return f"record ids outside [-1, {state.count})"
+        if (rec[open_] >= 0).any():
+            return "open rows with a record"
+        if self.spec.meta == "none" and (state.count or state.sequence >= 0):
+            return f"records for a window of kind {self.spec.meta!r}"
+        if self.spec.meta != "none" and (rec[~open_] < 0).any():
+            return "sealed rows without a record"
+        if not -1 <= state.sequence < state.count:
+            return f"sequence record {state.sequence} outside [-1, {state.count})"
+        used = set(rec[rec >= 0].tolist()) | ({state.sequence} - {-1})
+        if used != set(range(state.count)):
+            return f"records {sorted(used)} are not 0..{state.count - 1}"
+        if int(np.count_nonzero(open_)) > max(self.spec.window + self.spec.batch - 1, 0):
+            return f"{int(np.count_nonzero(open_))} open rows, more than the window holds"
+        return None
+
+    def adopt(self, seq: int, cells: np.ndarray, state: WindowState) -> np.ndarray:
+        """``seq``'s new ``cells`` (free until now) take ``state``: open rows get slots,
+        records get fresh ids (returned, by local id)."""
+        ids = np.array([self._new_meta() for _ in range(state.count)], dtype=np.int64)
+        for i, meta in enumerate(ids.tolist()):
+            self._set_meta(cells[state.record == i], meta)
+        if state.sequence >= 0:
+            meta = int(ids[state.sequence])
+            self.seq_meta[seq] = meta
+            self._users[meta] += 1
+        opened = cells[state.open]
+        self.open[opened] = True
+        self._assign(opened)
+        return ids
 
     # ---- slots -------------------------------------------------------------------------
     def _assign(self, cells: np.ndarray) -> np.ndarray:

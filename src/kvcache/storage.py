@@ -84,18 +84,22 @@ class Storage:
         """The layer's storage, allocated on first use from the put's shapes."""
         st = self.layers.get(layer)
         if st is None:
-            kc, vc = self.codecs
             k_shape = (int(key.shape[1]), int(key.shape[2]))
             v_shape = (int(value.shape[1]), int(value.shape[2]))
-            st = LayerStorage(
-                kc.allocate(self.n, *k_shape, self.device, self.windows_of(kc)),
-                vc.allocate(self.n, *v_shape, self.device, self.windows_of(vc)),
-                k_shape,
-                v_shape,
-            )
+            st = self.new_layer(k_shape, v_shape)
             self.layers[layer] = st
         st.check(key, value)
         return st
+
+    def new_layer(self, k_shape: tuple[int, int], v_shape: tuple[int, int]) -> LayerStorage:
+        """Empty buffers for a layer of these (kv_heads, head_dim) shapes, not yet registered."""
+        kc, vc = self.codecs
+        return LayerStorage(
+            kc.allocate(self.n, *k_shape, self.device, self.windows_of(kc)),
+            vc.allocate(self.n, *v_shape, self.device, self.windows_of(vc)),
+            k_shape,
+            v_shape,
+        )
 
     def write(
         self,

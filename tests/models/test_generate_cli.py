@@ -121,3 +121,41 @@ def test_kv_codec_option(capsys: pytest.CaptureFixture[str]):
     assert code == 0 and STATS.match(mixed[-1])
     assert main(["generate", "--kv-codec", "int3", "hi"]) == 2
     assert "kv" in capsys.readouterr().err
+
+
+SESSION_PROMPT = (
+    "The history of the cell cache begins with a simple idea: every token of every sequence "
+    "keeps its keys and values in one shared pool, and attention reads them back by "
+    "position. Over time the pool grew codecs, windows and prefix sharing. Tell me more about"
+)
+
+
+def test_session_restores_the_prompt_in_another_process(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+):
+    """--session: the first run saves the prompt's K/V; a second process restores them,
+    computes only the last prompt token (its logits start the answer), says so in the stats
+    line and prints what a run without a session prints (greedy)."""
+    session = tmp_path / "prompt.kv"
+    args = ("--temperature", "0", "--max-new-tokens", "12", "--kv-codec", "int8")
+    code, plain = run_cli(capsys, *args, SESSION_PROMPT)
+    assert code == 0
+    prompt_tokens = int(STATS.match(plain[-1]).group(1))  # type: ignore[union-attr]
+    assert prompt_tokens > 32  # int8 seals rows 32 at a time: codes are saved, not only fp16
+    code, first = run_cli(capsys, "--session", str(session), *args, SESSION_PROMPT)
+    assert code == 0 and first[-1].endswith(" | session: 0 tokens") and session.is_file()
+    assert first[:-1] == plain[:-1]
+    second = subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "generate", "--session", str(session), *args,
+         SESSION_PROMPT],
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout.rstrip("\n").split("\n")  # fmt: skip
+    assert second[-1].endswith(f" | session: {prompt_tokens - 1} tokens"), second[-1]
+    assert STATS.match(second[-1].rsplit(" | session:", 1)[0])
+    assert second[:-1] == plain[:-1]
+    # a prompt that shares only the start: that much is restored, the rest computed
+    assert main(["generate", "--session", str(session), *args, SESSION_PROMPT[:60] + " cats"]) == 0
+    out, err = capsys.readouterr()
+    shared = int(out.rstrip("\n").rsplit("session: ", 1)[1].split()[0])
+    assert 5 < shared < prompt_tokens - 10
+    assert f"{shared} of its {prompt_tokens} tokens start the prompt" in err

@@ -157,6 +157,26 @@ def test_several_sequences_and_windows_in_one_cell_cache(small64: Whisper) -> No
     assert cache.length(0) == 5 and cache.length(1) == 4
 
 
+def test_windows_in_lockstep_equal_their_full_decodes(small64: Whisper) -> None:
+    """Three windows decoding together, rows in window order (the batched cross-attention
+    path: one matmul over all windows), 2 rows each then 1: each equals its own decode."""
+    audio = _audio(SMALL, windows=3, dtype=torch.float64, seed=11)
+    streams = {0: [3, 9, 27, 81], 1: [60, 2, 2, 11], 2: [5, 44, 17, 8]}
+    refs = {
+        s: small64.forward_decoder(torch.tensor([toks]), audio[s : s + 1])[0]
+        for s, toks in streams.items()
+    }
+    cache = WhisperKVCache(small64, audio, max_sequences=3)
+    steps = [slice(0, 2), slice(2, 3), slice(3, 4)]
+    for part in steps:
+        seqs = [s for s in streams for _ in streams[s][part]]  # [0, 0, 1, 1, 2, 2] then [0, 1, 2]
+        toks = [t for s in streams for t in streams[s][part]]
+        logits = forward_decoder_step(small64, toks, seqs, cache)
+        for row, s in enumerate(seqs):
+            pos = part.start + row % (part.stop - part.start)
+            assert (logits[row] - refs[s][pos]).abs().max().item() < 1e-10, (s, pos)
+
+
 def test_beams_share_prompt_cells_and_free_pruned_ones(small64: Whisper) -> None:
     audio = _audio(SMALL, dtype=torch.float64, seed=8)
     prompt = [10, 20, 30]

@@ -21,6 +21,7 @@ from kvcache.errors import NotSupportedError
 from kvcache.recent import SealPlan, Windows, WindowSpec
 
 Locs = torch.Tensor | slice  # cell indices (LongTensor) or a contiguous slice of cells
+RowFormat = tuple[torch.dtype, tuple[int, ...]]  # a snapshot tensor's dtype and shape
 
 NONE = torch.empty(0)  # an unused Layout field (never written: shared by every Layout)
 # kernel kinds (the C++ reader's switch, src/kvcache/kernels/csrc/readers.h)
@@ -90,6 +91,24 @@ class Buffer(ABC):
     def nbytes(self) -> int:
         """Bytes of every tensor the buffer holds (codes, metadata, windows)."""
 
+    # ---- snapshots (kvcache.snapshot): the stored bytes of some cells, by name ---------------
+    @abstractmethod
+    def export_rows(self, cells: np.ndarray, records: np.ndarray) -> dict[str, torch.Tensor]:
+        """Copies of what ``cells`` (a sequence's, by position) and metadata ``records`` hold
+        (codes, scales, fp16 window rows, record values), as stored."""
+
+    @abstractmethod
+    def row_formats(self, sealed: int, open_: int, records: int) -> dict[str, RowFormat]:
+        """dtype and shape of each tensor ``export_rows`` gives for ``sealed`` encoded cells,
+        ``open_`` window rows and ``records`` metadata records."""
+
+    @abstractmethod
+    def import_rows(
+        self, cells: np.ndarray, records: np.ndarray, rows: dict[str, torch.Tensor]
+    ) -> None:
+        """Write ``export_rows``'s tensors back into ``cells`` and ``records`` (their window
+        slots and records already assigned by the bookkeeping)."""
+
 
 class Codec(ABC):
     """A storage format for K or V rows; ``name`` is its registry key.
@@ -123,6 +142,10 @@ class Codec(ABC):
             )
 
     any_device: bool = False  # float codecs work on any torch device
+
+    def identity(self) -> dict[str, str]:
+        """What tells this codec's stored bytes apart from another's (snapshots compare it)."""
+        return {"class": type(self).__name__, **{k: repr(v) for k, v in sorted(vars(self).items())}}
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvcache.codecs.base import FLOAT_KINDS, Buffer, Codec, Layout, Locs, tensor_bytes
+from kvcache.codecs.base import FLOAT_KINDS, Buffer, Codec, Layout, Locs, RowFormat, tensor_bytes
 from kvcache.recent import SealPlan, Windows
 
 
@@ -28,6 +29,18 @@ class FloatBuffer(Buffer):
 
     def nbytes(self) -> int:
         return tensor_bytes(self.data)
+
+    def export_rows(self, cells: np.ndarray, records: np.ndarray) -> dict[str, torch.Tensor]:
+        return {"data": self.data.index_select(0, torch.from_numpy(cells).to(self.data.device))}
+
+    def row_formats(self, sealed: int, open_: int, records: int) -> dict[str, RowFormat]:
+        return {"data": (self.data.dtype, (sealed + open_, *self.data.shape[1:]))}
+
+    def import_rows(
+        self, cells: np.ndarray, records: np.ndarray, rows: dict[str, torch.Tensor]
+    ) -> None:
+        at = torch.from_numpy(cells).to(self.data.device)
+        self.data.index_copy_(0, at, rows["data"].to(self.data.device))
 
 
 class FloatCodec(Codec):

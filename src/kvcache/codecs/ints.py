@@ -81,6 +81,8 @@ class Int8Codec(Codec):
 class AffineRowsBuffer(CentredBuffer):
     """b-bit asymmetric codes with an fp16 scale and minimum per group of channels."""
 
+    CELL_FIELDS = ("codes", "scale", "low")
+
     def __init__(
         self,
         n: int,

@@ -30,6 +30,9 @@ from kvcache.recent import Windows, WindowSpec
 class ChannelBuffer(WindowedBuffer):
     """Keys: b-bit codes with a scale and minimum per channel over each sealed group."""
 
+    CELL_FIELDS = ("codes",)
+    RECORD_FIELDS = ("scale", "low")
+
     def __init__(
         self, n: int, heads: int, dim: int, bits: int, windows: Windows, device: torch.device
     ) -> None:

@@ -21,7 +21,7 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
-from kvcache.codecs.base import Buffer, Layout, Locs, capacity, tensor_bytes
+from kvcache.codecs.base import Buffer, Layout, Locs, RowFormat, capacity, tensor_bytes
 from kvcache.recent import SealPlan, Windows
 
 RESIDUAL = torch.float16
@@ -35,7 +35,15 @@ def cell_index(cells: Locs) -> np.ndarray:
 
 
 class WindowedBuffer(Buffer):
-    """Codes plus the fp16 window rows of one layer's K or V (subclasses encode)."""
+    """Codes plus the fp16 window rows of one layer's K or V (subclasses encode).
+
+    ``CELL_FIELDS`` name the attributes holding per-cell codes ([N', ...]) and
+    ``RECORD_FIELDS`` those holding per-record metadata ([M, ...], None when unused): what a
+    snapshot copies besides the window rows.
+    """
+
+    CELL_FIELDS: tuple[str, ...] = ("codes", "scale")
+    RECORD_FIELDS: tuple[str, ...] = ()
 
     def __init__(
         self, n: int, heads: int, dim: int, windows: Windows, device: torch.device
@@ -138,6 +146,51 @@ class WindowedBuffer(Buffer):
     def nbytes(self) -> int:
         return tensor_bytes(self.residual, *self._code_tensors())
 
+    # ---- snapshots ------------------------------------------------------------------------
+    def _fields(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        found = {n: getattr(self, n) for n in names}
+        return {n: t for n, t in found.items() if t is not None}
+
+    def export_rows(self, cells: np.ndarray, records: np.ndarray) -> dict[str, torch.Tensor]:
+        slots = self.windows.slot_of[cells]
+        open_ = slots >= 0
+        sealed = self.index(cells[~open_])
+        out = {n: t.index_select(0, sealed) for n, t in self._fields(self.CELL_FIELDS).items()}
+        out["residual"] = self.residual.index_select(0, self.index(slots[open_].astype(np.int64)))
+        rec = self.index(records.astype(np.int64))
+        for n, t in self._fields(self.RECORD_FIELDS).items():
+            out[f"record.{n}"] = t.index_select(0, rec)
+        return out
+
+    def row_formats(self, sealed: int, open_: int, records: int) -> dict[str, RowFormat]:
+        out = {
+            n: (t.dtype, (sealed, *t.shape[1:])) for n, t in self._fields(self.CELL_FIELDS).items()
+        }
+        out["residual"] = (RESIDUAL, (open_, self.heads, self.dim))
+        for n, t in self._fields(self.RECORD_FIELDS).items():
+            out[f"record.{n}"] = (t.dtype, (records, *t.shape[1:]))
+        return out
+
+    def import_rows(
+        self, cells: np.ndarray, records: np.ndarray, rows: dict[str, torch.Tensor]
+    ) -> None:
+        slots = self.windows.slot_of[cells]
+        open_ = slots >= 0
+        sealed = cells[~open_]
+        if len(sealed):
+            self._reserve(int(sealed.max()) + 1)
+        at = self.index(sealed)
+        for n, t in self._fields(self.CELL_FIELDS).items():
+            t.index_copy_(0, at, rows[n].to(self.device))
+        rec = self.index(records.astype(np.int64))
+        for n, t in self._fields(self.RECORD_FIELDS).items():
+            grown_t = self.meta_rows(t)
+            grown_t.index_copy_(0, rec, rows[f"record.{n}"].to(self.device))
+            setattr(self, n, grown_t)
+        self._fit_window()
+        kept = self.index(slots[open_].astype(np.int64))
+        self.residual.index_copy_(0, kept, rows["residual"].to(self.device))
+
     # ---- helpers --------------------------------------------------------------------------
     def _rows(
         self, cells: np.ndarray, slots: np.ndarray, new: np.ndarray, values: torch.Tensor
@@ -186,6 +239,8 @@ class CentredBuffer(WindowedBuffer):
     """A windowed buffer whose rows may be encoded minus their sequence's key centre
     (``centre``: fp16 [M, H, D], one record per sequence, the mean of its rows when it first
     seals some; any fixed offset round-trips, and the kernels add it back per row)."""
+
+    RECORD_FIELDS = ("centre",)
 
     def __init__(
         self, n: int, heads: int, dim: int, windows: Windows, device: torch.device, centred: bool

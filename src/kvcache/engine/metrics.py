@@ -95,6 +95,18 @@ ENGINE_METRICS: tuple[Exported, ...] = (
         "restores_total",
     ),
     Exported(
+        "spills",
+        "counter",
+        "Preempted requests whose cells were moved into a host-memory or disk snapshot.",
+        "spills_total",
+    ),
+    Exported(
+        "spilled_bytes",
+        "counter",
+        "Bytes of K/V cells moved into spill snapshots.",
+        "spilled_bytes_total",
+    ),
+    Exported(
         "store_published_blocks",
         "counter",
         "Blocks written to the block store.",

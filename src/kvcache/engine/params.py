@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvcache.engine.context import POLICIES as CONTEXT_POLICIES
 from kvcache.engine.pressure import HOLDER_EVICTIONS, PREEMPTIONS
+from kvcache.engine.spill import spill_tier
 from kvcache.errors import InvalidArgumentError, InvalidConfigError
 from kvcache.models.sampling import SamplingParams
 from kvcache.validate import config_int, is_int, optional_config_int
@@ -27,8 +28,9 @@ class EngineConfig:
     window: int | None = None  # sliding-window attention: the cache forgets, nothing shifts
     context: str = "reject"  # "reject": prompt + max_tokens must fit; "shift": drop the middle
     keep: int | None = None  # tokens a context shift keeps at the start (default min(4, C/4))
-    preemption: str = "recompute"  # kvcache.engine.pressure.PREEMPTIONS
-    holder_eviction: str = "drop"  # kvcache.engine.pressure.HOLDER_EVICTIONS
+    preemption: str = "spill"  # kvcache.engine.pressure.PREEMPTIONS: "spill" | "recompute"
+    spill: str = "memory"  # where spilled cells wait: "memory" | "disk:PATH" (engine/spill.py)
+    holder_eviction: str = "demote"  # kvcache.engine.pressure.HOLDER_EVICTIONS
     press: str | None = None  # kvcache.press spec applied after each prefill (no prefix reuse)
 
     def __post_init__(self) -> None:
@@ -54,6 +56,7 @@ class EngineConfig:
             make_press(self.press)  # InvalidArgumentError naming the spec
         if self.preemption not in PREEMPTIONS:
             raise InvalidConfigError("preemption", self.preemption, f"one of {list(PREEMPTIONS)}")
+        spill_tier(self.spill)  # raises InvalidConfigError for a bad spec
         if self.holder_eviction not in HOLDER_EVICTIONS:
             raise InvalidConfigError(
                 "holder_eviction", self.holder_eviction, f"one of {list(HOLDER_EVICTIONS)}"

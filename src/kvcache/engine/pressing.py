@@ -27,7 +27,7 @@ class Pressing:
         self.press, self.cache, self.stats = press, cache, stats
         self.window: QueryWindow = press.observe(cache)
         self.window.__enter__()
-        self._done: set[int] = set()
+        self._done: set[int] = set()  # ids of the requests pressed
 
     @classmethod
     def start(cls, spec: str | None, cache: CausalCache, stats: EngineStats) -> Pressing | None:
@@ -38,9 +38,9 @@ class Pressing:
         renumbers the survivors, so ``r.context`` keeps their tokens only (as a context
         shift does) and the request goes on at the new next position."""
         seq = r.seq
-        if seq in self._done:
+        if r.id in self._done:  # pressed already (a spilled request comes back pressed)
             return
-        self._done.add(seq)
+        self._done.add(r.id)
         cells = self.cache.cells_of(seq)  # by position
         positions = np.asarray(self.cache.positions(seq))
         self.stats.pressed_cells += self.press.compress(self.cache, seq)
@@ -52,10 +52,15 @@ class Pressing:
         self.window.forget(seq)
         self.window.ignored.add(seq)
 
-    def finished(self, seq: int) -> None:
-        self._done.discard(seq)
-        self.window.ignored.discard(seq)
-        self.window.forget(seq)
+    def recompute(self, r: Request) -> None:
+        """``r`` computes its context again (preempted, not restored): press it again."""
+        self._done.discard(r.id)
+
+    def finished(self, r: Request) -> None:
+        """``r`` ended, or lost its sequence (preempted): its queries go (its id stays
+        pressed: a spilled request comes back with its pressed cells)."""
+        self.window.ignored.discard(r.seq)
+        self.window.forget(r.seq)
 
 
 def fp16_row_bytes(cache: CausalCache) -> int:

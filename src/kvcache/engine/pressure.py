@@ -7,17 +7,24 @@ Two hooks, each a policy chosen by name from a table (``EngineConfig.holder_evic
                └─> preempt the youngest running request            PREEMPTIONS
                    ... readmitted later: resume(), else recompute
 
-``DropHolder`` forgets an evicted holder's cells; ``Recompute`` forgets a preempted request's
-cells, and the request recomputes its context when it is readmitted (vLLM's recompute mode).
-A policy that keeps state elsewhere implements the same methods: ``evict`` may first demote
-the holder's blocks (``reuse.publish(holder, hashes)`` writes them to the block store), and
-``preempt`` may park a snapshot of the request's cells on ``request.parked``; ``resume`` then
-restores them into the request's new sequence and returns the positions restored.
+Preemption: ``Spill`` (the default) moves the victim's cells into a snapshot
+(``kvcache.engine.spill``: host memory, or files with ``EngineConfig.spill="disk:PATH"``) on
+``request.parked`` and restores them, exactly as stored, when the request is readmitted;
+``Recompute`` forgets them and the request computes its context again (vLLM's recompute mode).
+``cells_needed`` tells the scheduler how many free cells a readmission takes, so a parked
+request waits at the head of the queue until its cells fit.
+
+Holder eviction: ``Demote`` (the default) first writes the holder's blocks that the block
+store lacks (``reuse.publish``; nothing without a store), so a later prompt loads them instead
+of computing them; ``DropHolder`` forgets the cells.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from kvcache.engine.spill import Parked, SpillTier, spill_tier
 
 if TYPE_CHECKING:
     from kvcache.causal import CausalCache
@@ -38,6 +45,14 @@ class Preemption(Protocol):
         """On readmission into ``request.seq``: positions restored (0: recompute them)."""
         ...
 
+    def cells_needed(self, request: Request) -> int:
+        """Free cells ``resume`` needs (0: none, it recomputes)."""
+        ...
+
+    def discard(self, request: Request) -> None:
+        """Give up what was kept: the request will recompute."""
+        ...
+
 
 class Recompute:
     """Throw the cells away; the readmitted request recomputes its context."""
@@ -49,6 +64,43 @@ class Recompute:
 
     def resume(self, cache: CausalCache, request: Request) -> int:
         return 0
+
+    def cells_needed(self, request: Request) -> int:
+        return 0
+
+    def discard(self, request: Request) -> None:
+        return None
+
+
+class Spill:
+    """Snapshot the cells into a spill tier, free them, restore them on readmission."""
+
+    name = "spill"
+
+    def __init__(self, tier: SpillTier) -> None:
+        self.tier = tier
+
+    def preempt(self, cache: CausalCache, request: Request) -> None:
+        if len(cache.cells_of(request.seq)):
+            request.parked = self.tier.put(cache.snapshot(request.seq))
+        cache.remove(request.seq, 0)
+
+    def resume(self, cache: CausalCache, request: Request) -> int:
+        parked = request.parked
+        if not isinstance(parked, Parked):
+            return 0
+        cache.restore(self.tier.take(parked), request.seq)  # fits: cells_needed said so
+        request.parked = None
+        return parked.next_position
+
+    def cells_needed(self, request: Request) -> int:
+        parked = request.parked
+        return parked.cells if isinstance(parked, Parked) else 0
+
+    def discard(self, request: Request) -> None:
+        if isinstance(request.parked, Parked):
+            self.tier.drop(request.parked)
+        request.parked = None
 
 
 class HolderEviction(Protocol):
@@ -70,5 +122,19 @@ class DropHolder:
         reuse.cache.remove(holder, 0)
 
 
-PREEMPTIONS: dict[str, type[Preemption]] = {"recompute": Recompute}
-HOLDER_EVICTIONS: dict[str, type[HolderEviction]] = {"drop": DropHolder}
+class Demote:
+    """Write the holder's unpublished blocks to the block store, then forget its cells."""
+
+    name = "demote"
+
+    def evict(self, reuse: PrefixReuse, holder: int, hashes: list[bytes]) -> None:
+        reuse.publish(holder, hashes)
+        reuse.cache.remove(holder, 0)
+
+
+# EngineConfig.preemption -> the policy, given EngineConfig.spill
+PREEMPTIONS: dict[str, Callable[[str], Preemption]] = {
+    "spill": lambda spill: Spill(spill_tier(spill)),
+    "recompute": lambda spill: Recompute(),
+}
+HOLDER_EVICTIONS: dict[str, type[HolderEviction]] = {"demote": Demote, "drop": DropHolder}

@@ -278,6 +278,15 @@ class PrefixReuse:
             self._published.add(hashes[i])
             self.stats.store_published += 1
 
+    def adopt(self, seq: int, tokens: Sequence[int]) -> int:
+        """``seq`` (cells restored from elsewhere: a session) becomes an idle holder of
+        ``tokens``' whole blocks; cells past them are freed. Returns the tokens indexed."""
+        n = self.index.insert(seq, tokens) * self.block_size
+        self.cache.remove(seq, n)
+        if n == 0:
+            self.index.drop(seq, 0)
+        return n
+
     # ---- room ------------------------------------------------------------------------
     def evict(self, needed: int) -> bool:
         """Evict idle holders, least recently used first, until ``needed`` cells are free;

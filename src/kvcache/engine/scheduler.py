@@ -44,6 +44,7 @@ from kvcache.engine.pressing import Pressing, fp16_row_bytes
 from kvcache.engine.pressure import HOLDER_EVICTIONS, PREEMPTIONS
 from kvcache.engine.request import Event, Request
 from kvcache.engine.reuse import NoReuse, PrefixReuse, shared_prefix
+from kvcache.engine.spill import Parked
 from kvcache.engine.stats import MISS_REASONS, EngineStats
 from kvcache.engine.store import BlockStore
 from kvcache.errors import CacheFullError, InvalidArgumentError
@@ -104,7 +105,7 @@ class Engine:
         )
         self.stats = EngineStats()
         self.context = context_policy(c.context, c.capacity, c.kept_tokens, c.window)
-        self.preemption = PREEMPTIONS[c.preemption]()
+        self.preemption = PREEMPTIONS[c.preemption](c.spill)
         self.reuse: PrefixReuse | NoReuse = NoReuse(self.cache)
         self.press = Pressing.start(c.press, self.cache, self.stats)
         if c.prefix_cache and self.press is None:  # a pressed prompt is no prefix to share
@@ -176,6 +177,10 @@ class Engine:
             raise InvalidArgumentError("prompt", bad[:8] or ids, f"1+ token ids in [0, {vocab})")
         return ids
 
+    def new_sequence(self) -> int:
+        """A cache sequence id no request or holder uses (stepping thread only)."""
+        return next(self._seqs)
+
     # ---- stepping (one thread) -------------------------------------------------------
     @property
     def busy(self) -> bool:
@@ -223,7 +228,10 @@ class Engine:
     def _admit(self) -> None:
         """Queued requests take free slots (FIFO); a preempted one resumes or recomputes."""
         while self.waiting and len(self.running) < self.config.max_sequences:
-            r = self.waiting.popleft()
+            r = self.waiting[0]
+            if not self._fits(r):
+                break  # a parked request waits, first in line, until its cells fit
+            self.waiting.popleft()
             r.seq = next(self._seqs)
             r.admitted = next(self._admissions)
             self.running.append(r)
@@ -233,6 +241,26 @@ class Engine:
                 self.stats.restores += 1
             else:
                 self.reuse.attach(r)
+                if self.press is not None:
+                    self.press.recompute(r)
+
+    def _fits(self, r: Request) -> bool:
+        """Whether ``r``'s kept cells (if any) can come back now, with a row to spare for
+        every running request; idle holders are evicted for them. With nothing running to
+        free cells, a request that still does not fit recomputes instead."""
+        cells = self.preemption.cells_needed(r)
+        if cells == 0:
+            return True
+        want = cells + len(self.running) + 1
+        if self.cache.free_cells() < want:
+            self.reuse.evict(want)
+        if self.cache.free_cells() >= want:
+            return True
+        if not self.running:
+            if self.cache.free_cells() < cells:
+                self.preemption.discard(r)
+            return True
+        return False
 
     def _wake_waiters(self) -> None:
         """Requests waiting for a prefix that is now computed (or abandoned) start."""
@@ -298,8 +326,11 @@ class Engine:
         """The preemption hook: the victim's cells go (or are parked), it queues first."""
         self.reuse.on_preempt(victim)
         if self.press is not None:
-            self.press.finished(victim.seq)  # recomputed later, and pressed again
+            self.press.finished(victim)
         self.preemption.preempt(self.cache, victim)
+        if isinstance(victim.parked, Parked):
+            self.stats.spills += 1
+            self.stats.spilled_bytes += victim.parked.nbytes
         self.running.remove(victim)
         victim.seq, victim.fed, victim.awaits = -1, 0, None
         self.waiting.appendleft(victim)
@@ -342,7 +373,7 @@ class Engine:
         """Keep the request's whole blocks as a prefix holder, free the rest, end it."""
         self._count_held(r)
         if self.press is not None:
-            self.press.finished(r.seq)
+            self.press.finished(r)
         self.reuse.release(r)
         self.running.remove(r)
         r.seq, r.awaits = -1, None
@@ -404,6 +435,8 @@ class Engine:
             "evictions_total": s.evictions,
             "preemptions_total": s.preemptions,
             "restores_total": s.restores,
+            "spills_total": s.spills,
+            "spilled_bytes_total": s.spilled_bytes,
             "store_published_total": s.store_published,
             "store_rejected_total": s.store_rejected,
             "store_errors_total": s.store_errors,

@@ -40,6 +40,8 @@ class EngineStats:
     evictions: int = 0  # idle prefix holders evicted for room
     preemptions: int = 0  # running requests preempted for room
     restores: int = 0  # readmitted requests whose cells a preemption policy kept and restored
+    spills: int = 0  # preempted requests whose cells were moved into a snapshot (spill tier)
+    spilled_bytes: int = 0  # bytes of those snapshots' cells
     store_published: int = 0
     store_rejected: int = 0  # block-store entries refused (corrupt, other model or codec)
     store_errors: int = 0  # block-store calls that failed (treated as a miss)

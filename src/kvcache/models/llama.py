@@ -11,9 +11,10 @@ reads KV head ``h // G`` (HuggingFace's ``repeat_kv`` order, ``G = Hq / Hkv``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -125,7 +126,24 @@ class Llama:
         self.weights = weights
         self.dtype = weights.embed.dtype
         self.rope = Rope(config.head_dim, config.rope_theta)
+        self.source = "random"  # where the weights came from (from_gguf: the file's name)
+        self._model_id: str | None = None
         self._check_shapes()
+
+    @property
+    def model_id(self) -> str:
+        """Which model made a cache's K/V (snapshots refuse another's): the weights' source,
+        dtype and a SHA-256 of the config and samples of the weights (taken on first use)."""
+        if self._model_id is None:
+            w = self.weights
+            h = hashlib.sha256(repr(sorted(asdict(self.config).items())).encode())
+            samples = [w.embed[:4], w.norm, w.lm_head[-4:]]
+            for layer in (w.layers[0], w.layers[-1]):
+                samples += [layer.wqkv[:2], layer.wo[:2], layer.w_down[:2], layer.attn_norm]
+            for t in samples:
+                h.update(t.detach().float().contiguous().numpy().tobytes())
+            self._model_id = f"{self.source}:{self.dtype}:{h.hexdigest()[:16]}"
+        return self._model_id
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
@@ -148,7 +166,9 @@ class Llama:
         layers = [_load_layer(gguf, config, i, dtype) for i in range(config.num_layers)]
         lm_head = embed if config.tie_embeddings else gguf.tensor("output.weight", dtype)
         norm = gguf.tensor("output_norm.weight", dtype)
-        return cls(config, LlamaWeights(embed, layers, norm, lm_head))
+        model = cls(config, LlamaWeights(embed, layers, norm, lm_head))
+        model.source = gguf.path.name
+        return model
 
     @classmethod
     def random(
@@ -195,8 +215,9 @@ class Llama:
         codec: str | None = None,
     ) -> CausalCache:
         """A causal cache for this model: its dtype, RoPE as the shift of middle removals,
-        and ``codec`` (a registry spec such as "int8" or "int8/int4"; None: the dtype)."""
-        return CausalCache(
+        and ``codec`` (a registry spec such as "int8" or "int8/int4"; None: the dtype);
+        stamped with ``model_id`` so its snapshots refuse another model's cache."""
+        cache = CausalCache(
             capacity,
             max_sequences=max_sequences,
             max_batch=max_batch,
@@ -205,6 +226,8 @@ class Llama:
             dtype=self.dtype,
             codec=codec,
         )
+        cache.model_id = self.model_id  # its snapshots name this model
+        return cache
 
     # ---- forward ---------------------------------------------------------------------
     def forward(

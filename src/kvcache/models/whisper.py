@@ -113,7 +113,7 @@ class Whisper:
     audio_pos: torch.Tensor  # [n_audio_ctx, n]
     encoder: list[EncoderBlock]
     encoder_ln: LayerNorm
-    token_emb: torch.Tensor  # [n_vocab, n], also the output projection
+    token_emb: torch.Tensor  # [n_vocab, n] view of [n, n_vocab] memory; also the LM head
     text_pos: torch.Tensor  # [n_text_ctx, n]
     decoder: list[DecoderBlock]
     decoder_ln: LayerNorm
@@ -121,7 +121,13 @@ class Whisper:
 
     def __post_init__(self) -> None:
         """Fuse every layer's cross K|V projection into one [L * 2n, n] matrix (the layers'
-        own weights become views of it), so a cache's cross K/V take one matmul."""
+        own weights become views of it), so a cache's cross K/V take one matmul.
+
+        The token embedding is stored transposed ([n, n_vocab] memory, ``token_emb`` its
+        [n_vocab, n] view): the output projection of a decode step (1-16 rows against 80 MB)
+        runs 2-2.5x faster from that layout on this CPU (x @ W^T streams W^T's rows; the
+        [n_vocab, n] layout takes MKL's slower dot-product path)."""
+        self.token_emb = self.token_emb.t().contiguous().t()
         blocks = self.decoder
         self.cross_kv_all = Linear(
             torch.cat([b.cross_kv.weight for b in blocks]),
