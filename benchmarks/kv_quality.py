@@ -31,7 +31,6 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, license_tokens, table, write_json  # noqa: E402
 from kvcache import Batch, CausalCache  # noqa: E402
-from kvcache.codecs import make_codec  # noqa: E402
 from kvcache.models.llama import Llama  # noqa: E402
 from kvcache.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -98,20 +97,28 @@ def decode_speed(model: Llama, codec: str, tokens: list[int], steps: int = 24) -
     return 1.0 / statistics.median(times[3:])
 
 
+def held_bytes(model: Llama, spec: str, n: int) -> int:
+    """Bytes a cache of ``spec`` holds for one sequence of ``n`` tokens, all layers, K+V:
+    codes, per-row metadata, the fp16 window of the newest rows, key centres. Measured on a
+    real cache sized for it (random rows: the bytes do not depend on the values)."""
+    c = model.config
+    cache = CausalCache(n, max_batch=n, shift=model.rope.shift, **parse(spec))
+    cache.start_forward(Batch.single(0, 0, n))
+    g = torch.Generator().manual_seed(0)
+    for layer in range(c.num_layers):
+        k, v = torch.randn(2, n, c.num_kv_heads, c.head_dim, generator=g)  # [n, H, D] each
+        cache.put(layer, k, v)
+    held = cache.memory_usage_bytes()
+    cache.close()
+    return held
+
+
 def bytes_per_token(model: Llama, spec: str) -> tuple[float, float]:
     """Bytes per token, all layers, K+V: (each further token's, i.e. codes and per-row
     metadata; everything held at a 2k context divided by 2048, fixed parts included: the
     fp16 window of the newest rows, key centres)."""
-    c = model.config
-    kw = parse(spec)
-    k, v = make_codec(str(kw["key_codec"]), "key"), make_codec(str(kw["value_codec"]), "value")
-
-    def held(n: int) -> int:
-        cpu = torch.device("cpu")
-        return sum(codec.allocate(n, c.num_kv_heads, c.head_dim, cpu).nbytes() for codec in (k, v))
-
-    step = held(8192) - held(4096)  # the fixed parts cancel (4096: whole kivi blocks)
-    return step / 4096 * c.num_layers, held(WINDOW) / WINDOW * c.num_layers
+    step = held_bytes(model, spec, 8192) - held_bytes(model, spec, 4096)  # fixed parts cancel
+    return step / 4096, held_bytes(model, spec, WINDOW) / WINDOW
 
 
 class Recorder:
