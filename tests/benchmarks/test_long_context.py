@@ -39,7 +39,7 @@ def _row(press: str, codec: str, scores: dict[str, float], **kw: float) -> dict[
 
 def test_retention_counts_the_kept_cells_only() -> None:
     base = _row("none", "fp32", {"a@1024": 1.0, "b@1024": 0.8, "c@1024": 0.1})
-    row = _row("snapkv:0.5", "fp32", {"a@1024": 0.9, "b@1024": 0.8, "c@1024": 0.0})
+    row = _row("snapkv:0.5", "fp32", {"a@1024": 0.9, "b@1024": 0.8, "c@1024": 0.5})
     assert lc.retention(row, base, ["a@1024", "b@1024"]) == pytest.approx(1.7 / 1.8)
 
 

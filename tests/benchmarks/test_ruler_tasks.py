@@ -63,8 +63,9 @@ def test_multikey_asks_for_one_key_among_distractors(corpus, fmt) -> None:
     assert f"for {asked[0]} is: {s.answers[0]}." in s.haystack
 
 
-def test_variable_chain_is_in_reading_order(corpus, fmt) -> None:
-    s = rt.make_sample("vt", 2048, 1, 0, corpus, fmt)
+@pytest.mark.parametrize("index", range(6))
+def test_variable_chain_is_in_reading_order(index, corpus, fmt) -> None:
+    s = rt.make_sample("vt", 1024, index, 0, corpus, fmt)
     first, *rest = s.needles
     value = re.fullmatch(r"VAR \w+ = (\d+)\.", first).group(1)  # type: ignore[union-attr]
     assert f"the value {value}" in s.question
