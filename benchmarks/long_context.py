@@ -52,7 +52,6 @@ RATIOS = [0.25, 0.5, 0.75]
 CODECS = ["fp32", "int8", "kivi4", "turbo4"]
 KEEP = 0.70  # a cell is kept when the fp32 cache without a press scores at least this
 CHUNK = 1024  # prefill chunk (tokens per forward)
-FP16_BYTES = 30 * 2 * 3 * 64 * 2  # one token's K+V in fp16, all layers
 # goals of issue 14: (total compression at least, retention at least)
 COMPRESSION_GOALS = [(4.0, 0.97), (8.0, 0.90)]
 PRESS_COST_GOAL = 0.10  # pressing costs at most this fraction of the prefill it follows
@@ -85,6 +84,13 @@ class Config:
         return self.press.partition(":")[0]
 
 
+def fp16_bytes(model: Llama, tokens: int) -> int:
+    """Bytes of ``tokens`` tokens' K and V in fp16, all layers: the compression's numerator
+    (the context's, also after a press that compacts positions)."""
+    c = model.config
+    return tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+
+
 def prefill(model: Llama, cache: CausalCache, seq: int, ids: list[int]) -> None:
     """The context into ``seq``'s cells, CHUNK tokens per forward."""
     for start in range(0, len(ids), CHUNK):
@@ -100,7 +106,7 @@ def apply_press(
         t0 = time.perf_counter()
         prefill(model, cache, seq, context_ids)
         return Pressed(time.perf_counter() - t0, 0.0, None)
-    from kvcache.press import make_press, total_compression
+    from kvcache.press import make_press
 
     press = make_press(spec)
     t0 = time.perf_counter()
@@ -109,7 +115,7 @@ def apply_press(
     t1 = time.perf_counter()
     press.compress(cache, seq)
     t2 = time.perf_counter()
-    return Pressed(t1 - t0, t2 - t1, float(total_compression(cache, seq)))
+    return Pressed(t1 - t0, t2 - t1, fp16_bytes(model, len(context_ids)) / cache.held_bytes(seq))
 
 
 def answer(
@@ -118,7 +124,7 @@ def answer(
     """Greedy answer to ``question`` fed after whatever the cache holds for ``seq``."""
     pos = cache.next_position(seq)
     logits = model.forward(
-        question, Batch.single(seq, pos, len(question)), cache, outputs=[-1 + len(question)]
+        question, Batch.single(seq, pos, len(question)), cache, outputs=[len(question) - 1]
     )
     out: list[int] = []
     pos += len(question)
@@ -156,7 +162,9 @@ class Bench:
         text = tok.decode(ids)
         compression = pressed.compression
         if compression is None:
-            compression = FP16_BYTES * len(context) / self._held(config.codec, len(context))
+            compression = fp16_bytes(self.model, len(context)) / self._held(
+                config.codec, len(context)
+            )
         return {
             "score": string_match_all(text, sample.answers),
             "output": text,
@@ -284,12 +292,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if importlib.util.find_spec("kvcache.press") is not None:
         default_presses += [f"{p}:{r}" for p in PRESS_NAMES for r in RATIOS]
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, 3 samples per cell"
     )
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=list(TASKS),
+        choices=list(TASKS),
+        metavar="TASK",
+        help=f"of {list(TASKS)} (default all)",
+    )
     parser.add_argument("--lengths", nargs="+", type=int, default=None, help=f"default {LENGTHS}")
     parser.add_argument(
         "--presses",
@@ -301,10 +316,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--codecs", nargs="+", default=CODECS, help=f"default {CODECS}")
     parser.add_argument("--samples", type=int, default=None, help="per task x length (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task generators")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=RESULTS / "long_context.json")
-    parser.add_argument("--png", type=Path, default=RESULTS / "long_context.png")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument(
+        "--json", type=Path, default=RESULTS / "long_context.json", help="results file"
+    )
+    parser.add_argument(
+        "--png", type=Path, default=RESULTS / "long_context.png", help="retention plot"
+    )
     args = parser.parse_args(argv)
+    if any(p != "none" for p in args.presses):
+        if importlib.util.find_spec("kvcache.press") is None:
+            parser.error("press specs need kvcache.press (issue 14), not in this checkout")
+        from kvcache.press import make_press
+
+        for spec in args.presses:  # a bad spec fails now, not after the calibration
+            if spec != "none":
+                make_press(spec)
     args.lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
     args.samples = args.samples or (3 if args.quick else 10)
     return args
@@ -346,6 +373,8 @@ def report(args: argparse.Namespace, rows: list[dict[str, object]], kept: list[s
     summary = []
     for r in rows:
         r["retention"] = retention(r, base, kept) if kept else None
+        cells = r["cells"]
+        r["score_kept"] = sum(cells[c]["score"] for c in kept) / max(len(kept), 1)  # type: ignore[index]
         plain = prefill_of.get(r["codec"])
         r["press_cost"] = (
             None
