@@ -9,7 +9,9 @@ A sample is split where a query-agnostic press (kvpress's protocol) must see it:
 Tasks follow RULER's templates (passkey from Mohtashami & Jaggi 2023, ``niah_single``,
 ``niah_multikey``, ``vt``, ``cwe``) with the haystack and the common-word vocabulary taken
 from the Debian license texts, and fewer items than RULER asks of 7B+ models: 2 variable
-hops instead of 4, 3 common words instead of 10. A sample is a pure function of
+hops instead of 4, 3 common words instead of 10, and vt's answer prefix ends in "VAR" (without
+it SmolLM2 writes license text or the value instead of names: 0/3 at 1k; with it 0.42 at 2
+hops, mostly the first variable). A sample is a pure function of
 (task, target tokens, index, seed); its token count (context + question, each tokenized
 on its own as the harness feeds them) is within 1 % of the target.
 """
@@ -186,7 +188,7 @@ def variable_tracking(rng: random.Random, corpus: Corpus, n: int, hops: int = 2)
         insert_needles(corpus.haystack(rng, n), needles, depths),
         f"\nQuestion: Find all variables that are assigned the value {value} in the text above.",
         "Answer: According to the chain(s) of variable assignment in the text above, "
-        f"{hops + 1} variables are assigned the value {value}, they are:",
+        f"{hops + 1} variables are assigned the value {value}, they are: VAR",
         tuple(names),
         tuple(needles),
         tuple(depths),
