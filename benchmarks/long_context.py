@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -146,7 +147,7 @@ class Bench:
     samples: dict[tuple[str, int], list[Sample]]
     codec_bytes: dict[tuple[str, int], int]
 
-    def run(self, config: Config, sample: Sample) -> dict[str, object]:
+    def run(self, config: Config, sample: Sample) -> dict[str, Any]:
         """One sample under ``config``: its score, answer, timings and total compression."""
         tok = self.tokenizer
         context = tok.encode(sample.context, add_bos=False)
@@ -179,10 +180,10 @@ class Bench:
         return self.codec_bytes[codec, n]
 
 
-def evaluate(bench: Bench, config: Config, cells: list[tuple[str, int]]) -> dict[str, object]:
+def evaluate(bench: Bench, config: Config, cells: list[tuple[str, int]]) -> dict[str, Any]:
     """Every sample of ``cells`` under ``config``: per-cell scores and totals."""
     todo = [(cell, s) for cell in cells for s in bench.samples[cell]]
-    runs: dict[tuple[str, int], list[dict[str, object]]] = {cell: [] for cell in cells}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
     for cell, sample in tqdm(todo, desc=config.name, unit="sample", leave=False):
         runs[cell].append(bench.run(config, sample))
     flat = [r for rs in runs.values() for r in rs]
@@ -192,19 +193,19 @@ def evaluate(bench: Bench, config: Config, cells: list[tuple[str, int]]) -> dict
         "cells": {
             f"{t}@{n}": {
                 "score": _mean(rs, "score"),
+                "prefill_s": sum(r["prefill_s"] for r in rs),
+                "press_s": sum(r["press_s"] for r in rs),
                 "outputs": [r["output"] for r in rs],
             }
             for (t, n), rs in runs.items()
         },
         "score": _mean(flat, "score"),
         "compression": _mean(flat, "compression"),
-        "prefill_s": sum(float(r["prefill_s"]) for r in flat),  # type: ignore[arg-type]
-        "press_s": sum(float(r["press_s"]) for r in flat),  # type: ignore[arg-type]
     }
 
 
-def _mean(rows: list[dict[str, object]], key: str) -> float:
-    return sum(float(r[key]) for r in rows) / max(len(rows), 1)  # type: ignore[arg-type]
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(float(r[key]) for r in rows) / max(len(rows), 1)
 
 
 def configs(presses: list[str], codecs: list[str]) -> Iterator[Config]:
@@ -216,46 +217,46 @@ def configs(presses: list[str], codecs: list[str]) -> Iterator[Config]:
                 yield Config(press, codec)
 
 
-def retention(row: dict[str, object], base: dict[str, object], kept: list[str]) -> float:
+def retention(row: dict[str, Any], base: dict[str, Any], kept: list[str]) -> float:
     """Score / fp32 score, summed over the kept cells."""
     cells, ref = row["cells"], base["cells"]
-    num = sum(cells[c]["score"] for c in kept)  # type: ignore[index]
-    den = sum(ref[c]["score"] for c in kept)  # type: ignore[index]
+    num = sum(cells[c]["score"] for c in kept)
+    den = sum(ref[c]["score"] for c in kept)
     return float(num / den)
 
 
-def goals(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 14's goals, each met / missed / not measured, with the configuration that decides."""
-    out: list[dict[str, object]] = []
+    out: list[dict[str, Any]] = []
     for need_x, need_r in COMPRESSION_GOALS:
-        fit = [r for r in rows if float(r["compression"]) >= need_x]  # type: ignore[arg-type]
-        best = max(fit, key=lambda r: float(r["retention"]), default=None)  # type: ignore[arg-type]
+        fit = [r for r in rows if float(r["compression"]) >= need_x]
+        best = max(fit, key=lambda r: float(r["retention"]), default=None)
         out.append(
             _goal(
                 f"{need_x:g}x total compression -> retention >= {need_r:.0%}",
-                None if best is None else float(best["retention"]) >= need_r,  # type: ignore[arg-type]
+                None if best is None else float(best["retention"]) >= need_r,
                 "no configuration reaches it"
                 if best is None
-                else f"best {best['press']} x {best['codec']}: {float(best['retention']):.1%} "  # type: ignore[arg-type]
-                f"at {float(best['compression']):.2f}x",  # type: ignore[arg-type]
+                else f"best {best['press']} x {best['codec']}: {float(best['retention']):.1%} "
+                f"at {float(best['compression']):.2f}x",
             )
         )
     out.append(_beats_streaming(rows))
     pressed = [r for r in rows if r["press"] != "none" and r.get("press_cost") is not None]
-    worst = max(pressed, key=lambda r: float(r["press_cost"]), default=None)  # type: ignore[arg-type]
+    worst = max(pressed, key=lambda r: float(r["press_cost"]), default=None)
     out.append(
         _goal(
             f"pressing costs <= {PRESS_COST_GOAL:.0%} of the prefill",
-            None if worst is None else float(worst["press_cost"]) <= PRESS_COST_GOAL,  # type: ignore[arg-type]
+            None if worst is None else float(worst["press_cost"]) <= PRESS_COST_GOAL,
             "no press ran"
             if worst is None
-            else f"worst {worst['press']} x {worst['codec']}: {float(worst['press_cost']):.1%}",  # type: ignore[arg-type]
+            else f"worst {worst['press']} x {worst['codec']}: {float(worst['press_cost']):.1%}",
         )
     )
     return out
 
 
-def _beats_streaming(rows: list[dict[str, object]]) -> dict[str, object]:
+def _beats_streaming(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """At every ratio >= 0.5 (per codec), the best other press beats StreamingLLM."""
     checks = []
     for s in rows:
@@ -269,9 +270,9 @@ def _beats_streaming(rows: list[dict[str, object]]) -> dict[str, object]:
             and Config(str(r["press"]), str(r["codec"])).ratio == cfg.ratio
             and Config(str(r["press"]), str(r["codec"])).press_name not in ("streaming", "none")
         ]
-        best = max(rivals, key=lambda r: float(r["retention"]), default=None)  # type: ignore[arg-type]
+        best = max(rivals, key=lambda r: float(r["retention"]), default=None)
         if best is not None:
-            checks.append((cfg, best, float(best["retention"]) > float(s["retention"])))  # type: ignore[arg-type]
+            checks.append((cfg, best, float(best["retention"]) > float(s["retention"])))
     lost = [f"{c.press} x {c.codec} vs {b['press']}" for c, b, ok in checks if not ok]
     return _goal(
         "best press beats StreamingLLM at every ratio >= 0.5",
@@ -282,7 +283,7 @@ def _beats_streaming(rows: list[dict[str, object]]) -> dict[str, object]:
     )
 
 
-def _goal(name: str, met: bool | None, detail: str) -> dict[str, object]:
+def _goal(name: str, met: bool | None, detail: str) -> dict[str, Any]:
     status = "not measured" if met is None else ("met" if met else "missed")
     return {"goal": name, "status": status, "detail": detail}
 
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         for t, n in cells
     }
     bench = Bench(model, tokenizer, samples, {})
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
     kept: list[str] = []
     with torch.inference_mode():
         for config in tqdm(list(configs(args.presses, args.codecs)), desc="configs"):
@@ -360,43 +361,30 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(evaluate(bench, config, todo))
             if len(rows) == 1:
                 base = rows[0]["cells"]
-                kept = [c for c, v in base.items() if v["score"] >= KEEP]  # type: ignore[index, union-attr]
-                print(_calibration(base, kept))  # type: ignore[arg-type]
+                kept = [c for c, v in base.items() if v["score"] >= KEEP]
+                print(_calibration(base, kept))
     report(args, rows, kept)
     return 0
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, object]], kept: list[str]) -> None:
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], kept: list[str]) -> None:
     """Retention and press cost per row, the table, the goals, JSON and PNG."""
     base = rows[0]
-    prefill_of = {r["codec"]: float(r["prefill_s"]) for r in rows if r["press"] == "none"}  # type: ignore[arg-type]
-    summary = []
-    for r in rows:
+    for r in rows:  # every total over the kept cells, the ones all rows ran
+        cells = [r["cells"][c] for c in kept]
+        r["score_kept"] = sum(c["score"] for c in cells) / max(len(cells), 1)
+        r["prefill_s"] = sum(c["prefill_s"] for c in cells)
+        r["press_s"] = sum(c["press_s"] for c in cells)
         r["retention"] = retention(r, base, kept) if kept else None
-        cells = r["cells"]
-        r["score_kept"] = sum(cells[c]["score"] for c in kept) / max(len(kept), 1)  # type: ignore[index]
-        plain = prefill_of.get(r["codec"])
+    plain = {r["codec"]: r["prefill_s"] for r in rows if r["press"] == "none"}
+    for r in rows:
+        pressed = r["press"] != "none" and plain.get(r["codec"])
         r["press_cost"] = (
-            None
-            if r["press"] == "none" or not plain
-            else (float(r["prefill_s"]) + float(r["press_s"])) / plain - 1  # type: ignore[arg-type]
+            (r["prefill_s"] + r["press_s"]) / plain[r["codec"]] - 1 if pressed else None
         )
-        summary.append({k: v for k, v in r.items() if k != "cells"})
-    print(
-        table(
-            summary,
-            [
-                "press",
-                "codec",
-                "compression",
-                "score",
-                "retention",
-                "prefill_s",
-                "press_s",
-                "press_cost",
-            ],
-        )
-    )
+    summary = [{k: v for k, v in r.items() if k != "cells"} for r in rows]
+    columns = ["press", "codec", "compression", "score_kept", "retention", "prefill_s", "press_s"]
+    print(table(summary, [*columns, "press_cost"]))
     results = goals(summary) if kept else []
     for g in results:
         print(f"[{g['status']}] {g['goal']}: {g['detail']}")
@@ -420,15 +408,15 @@ def report(args: argparse.Namespace, rows: list[dict[str, object]], kept: list[s
         print(f"wrote {args.png}")
 
 
-def _calibration(base: dict[str, dict[str, object]], kept: list[str]) -> str:
+def _calibration(base: dict[str, dict[str, Any]], kept: list[str]) -> str:
     lines = [f"fp32 cache, no press (calibration; kept when >= {KEEP:.0%}):"]
     for cell, v in base.items():
         mark = "kept" if cell in kept else "dropped"
-        lines.append(f"  {cell:>20}  {float(v['score']):.2f}  {mark}")  # type: ignore[arg-type]
+        lines.append(f"  {cell:>20}  {float(v['score']):.2f}  {mark}")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, object]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Retention against total compression: one line per press x codec over its ratios, and
     one line through the codecs without a press."""
     import matplotlib
@@ -440,7 +428,7 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     for r in rows:
         cfg = Config(str(r["press"]), str(r["codec"]))
         label = "codecs, no press" if cfg.press == "none" else f"{cfg.press_name} x {cfg.codec}"
-        lines.setdefault(label, []).append((float(r["compression"]), 100 * float(r["retention"])))  # type: ignore[arg-type]
+        lines.setdefault(label, []).append((float(r["compression"]), 100 * float(r["retention"])))
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, points in sorted(lines.items()):
         xs, ys = zip(*sorted(points), strict=True)
