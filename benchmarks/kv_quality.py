@@ -14,11 +14,12 @@ stored K/V. Writes benchmarks/results/kv_quality.json and kv_quality.png.
 
 Decode-time pressing (issue 14, ``--press-decode SPEC``, needs ``kvcache.press``): each
 window's prefill and its scored tokens run under the press, the scored tokens one per
-decode step, and after each step ``press.during_decode(max_cells=CAP * 2048, every=N)``
-evicts the cache back to CAP of the window's full history (a quarter: 512 cells; at the
-first scored token that is half of the 1024 tokens so far). Each codec listed gets a pressed
-row, judged against the fp32 cache without a press; ``held_fraction`` is the mean share of
-the history the cache held over the scored tokens.
+decode step; after the first scored step and every ``--every`` steps after it,
+``press.during_decode(max_cells=CAP * history)`` evicts the cache back to CAP of the
+tokens seen so far (the cap follows the history, so the prefill is pressed to CAP too).
+Each codec listed gets a pressed row, judged against the fp32 cache without a press;
+``held_fraction`` is the mean share of the history the cache held over the scored tokens
+(CAP to CAP + every / history).
 
 A codec spec is a registry name (both K and V), ``KEY/VALUE`` for different key and value
 codecs, and ``@pre`` / ``@post`` to force where keys are quantized (default: the codec's
@@ -99,7 +100,6 @@ def pressed_logprobs(
 
     press = make_press(spec)
     cache = make_cache(model, codec, WINDOW)
-    capped = press.during_decode(max_cells=int(cap * WINDOW), every=every)
     held = 0.0
     with press.observe(cache):
         batch = Batch.single(0, 0, PREFILL)
@@ -107,7 +107,8 @@ def pressed_logprobs(
         for i in range(PREFILL, WINDOW - 1):
             pos = cache.next_position(0)  # a press that compacts moves the next position
             out.append(model.forward([tokens[i]], Batch.single(0, pos, 1), cache))
-            capped.step(cache, 0)
+            if (i - PREFILL) % every == 0:  # the cap follows the history: i + 1 tokens
+                press.during_decode(max_cells=int(cap * (i + 1)), every=1).step(cache, 0)
             held += len(cache.cells_of(0)) / (i + 1)
     cache.close()
     return torch.log_softmax(torch.cat(out).double(), dim=-1), held / (WINDOW - 1 - PREFILL)
@@ -264,10 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         help="also run each codec with this kvcache.press spec capping the cache during decode",
     )
     parser.add_argument(
-        "--cap", type=float, default=0.25, help="with --press-decode: cells held / 2048"
+        "--cap",
+        type=float,
+        default=0.25,
+        help="with --press-decode: cells held / tokens seen (default 0.25)",
     )
     parser.add_argument(
-        "--every", type=int, default=16, help="with --press-decode: decode steps between presses"
+        "--every",
+        type=int,
+        default=16,
+        help="with --press-decode: decode steps between presses (default 16)",
     )
     args = parser.parse_args(argv)
     if args.press_decode and not 0 < args.cap < 1:
