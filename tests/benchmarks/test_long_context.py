@@ -84,3 +84,41 @@ def test_goals_met_missed_and_not_measured() -> None:
     )
     none = {g["status"] for g in lc.goals(rows[:2])}
     assert none == {"not measured"}
+
+
+def _full(press: str, codec: str, score: float, compression: float, prefill: float, press_s=0.0):  # type: ignore[no-untyped-def]
+    cell = {"score": score, "prefill_s": prefill, "press_s": press_s, "outputs": []}
+    drop = {"score": 0.2, "prefill_s": 100.0, "press_s": 0.0, "outputs": []}
+    return {
+        "press": press,
+        "codec": codec,
+        "compression": compression,
+        "cells": {"passkey@1024": cell, "vt@1024": drop},
+    }
+
+
+def test_report_writes_retention_goals_json_and_png(tmp_path, capsys) -> None:
+    import argparse
+    import json
+
+    rows = [
+        _full("none", "fp32", 1.0, 0.5, 10.0),
+        _full("none", "kivi4", 1.0, 3.0, 12.0),
+        _full("streaming:0.5", "kivi4", 0.6, 6.0, 12.0, 0.1),
+        _full("snapkv:0.5", "kivi4", 0.9, 6.0, 12.6, 0.6),
+    ]
+    args = argparse.Namespace(
+        tasks=["passkey", "vt"], lengths=[1024], samples=1, seed=0,
+        json=tmp_path / "lc.json", png=tmp_path / "lc.png",
+    )  # fmt: skip
+    lc.report(args, rows, ["passkey@1024"])
+    out = json.loads((tmp_path / "lc.json").read_text())
+    got = {(r["press"], r["codec"]): r for r in out["rows"]}
+    assert got["snapkv:0.5", "kivi4"]["retention"] == pytest.approx(0.9)
+    assert got["snapkv:0.5", "kivi4"]["press_cost"] == pytest.approx((12.6 + 0.6) / 12.0 - 1)
+    assert got["none", "fp32"]["prefill_s"] == 10.0  # the dropped cell's 100 s not counted
+    status = {g["goal"]: g["status"] for g in out["goals"]}
+    assert status["best press beats StreamingLLM at every ratio >= 0.5"] == "met"
+    assert status["4x total compression -> retention >= 97%"] == "missed"
+    assert (tmp_path / "lc.png").stat().st_size > 0
+    assert "[met] best press beats StreamingLLM" in capsys.readouterr().out
