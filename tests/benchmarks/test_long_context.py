@@ -122,3 +122,9 @@ def test_report_writes_retention_goals_json_and_png(tmp_path, capsys) -> None:
     assert status["4x total compression -> retention >= 97%"] == "missed"
     assert (tmp_path / "lc.png").stat().st_size > 0
     assert "[met] best press beats StreamingLLM" in capsys.readouterr().out
+
+
+def test_config_ratio_reads_specs_with_options() -> None:
+    assert lc.Config("snapkv:0.5,window=32", "fp32").ratio == 0.5
+    assert lc.Config("none", "int8").ratio == 0.0
+    assert lc.Config("tova:0.75", "kivi4").press_name == "tova"
