@@ -10,6 +10,16 @@ stored K/V. Writes benchmarks/results/kv_quality.json and kv_quality.png.
     python benchmarks/kv_quality.py                 # every codec
     python benchmarks/kv_quality.py --quick         # 1 window, fewer codecs
     python benchmarks/kv_quality.py --codecs kivi4 kivi4@post int8/int4
+    python benchmarks/kv_quality.py --codecs fp32 kivi4 --press-decode tova:0.5 --cap 0.25
+
+Decode-time pressing (issue 14, ``--press-decode SPEC``, needs ``kvcache.press``): each
+window's prefill and its scored tokens run under the press, the scored tokens one per
+decode step; after the first scored step and every ``--every`` steps after it,
+``press.during_decode(max_cells=CAP * history)`` evicts the cache back to CAP of the
+tokens seen so far (the cap follows the history, so the prefill is pressed to CAP too).
+Each codec listed gets a pressed row, judged against the fp32 cache without a press;
+``held_fraction`` is the mean share of the history the cache held over the scored tokens
+(CAP to CAP + every / history).
 
 A codec spec is a registry name (both K and V), ``KEY/VALUE`` for different key and value
 codecs, and ``@pre`` / ``@post`` to force where keys are quantized (default: the codec's
@@ -19,11 +29,13 @@ choice, see ``kvcache.storage``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -31,7 +43,6 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, license_tokens, table, write_json  # noqa: E402
 from kvcache import Batch, CausalCache  # noqa: E402
-from kvcache.codecs import make_codec  # noqa: E402
 from kvcache.models.llama import Llama  # noqa: E402
 from kvcache.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -53,6 +64,7 @@ CODECS = [
     "turbo3:key_bits=3,value_bits=3",
 ]
 WINDOW, PREFILL, CHUNK = 2048, 1024, 64
+DECODE_PRESS_GOAL = 5.0  # issue 14: ΔPPL in % with the cache capped at 1/4 of the history
 
 
 def parse(spec: str) -> dict[str, str | None]:
@@ -79,6 +91,70 @@ def window_logprobs(model: Llama, codec: str, tokens: list[int]) -> torch.Tensor
     return torch.log_softmax(torch.cat(out).double(), dim=-1)  # rows predict 1024..2047
 
 
+def pressed_logprobs(
+    model: Llama, codec: str, tokens: list[int], spec: str, cap: float, every: int
+) -> tuple[torch.Tensor, float]:
+    """Log-probabilities [1024, V] of one window decoded one token per step with the cache
+    capped by a decode-time press, and the mean share of the history the cache held."""
+    from kvcache.press import make_press
+
+    press = make_press(spec)
+    cache = make_cache(model, codec, WINDOW)
+    held = 0.0
+    with press.observe(cache):
+        batch = Batch.single(0, 0, PREFILL)
+        out = [model.forward(tokens[:PREFILL], batch, cache, outputs=[PREFILL - 1])]
+        for i in range(PREFILL, WINDOW - 1):
+            pos = cache.next_position(0)  # a press that compacts moves the next position
+            out.append(model.forward([tokens[i]], Batch.single(0, pos, 1), cache))
+            if (i - PREFILL) % every == 0:  # the cap follows the history: i + 1 tokens
+                press.during_decode(max_cells=int(cap * (i + 1)), every=1).step(cache, 0)
+            held += len(cache.cells_of(0)) / (i + 1)
+    cache.close()
+    return torch.log_softmax(torch.cat(out).double(), dim=-1), held / (WINDOW - 1 - PREFILL)
+
+
+def quality(
+    lps: list[torch.Tensor], windows: list[list[int]], base: list[torch.Tensor]
+) -> dict[str, float]:
+    """Perplexity of the scored tokens, KL(fp32 || this) and top-1 agreement with fp32."""
+    nll, kl, agree = 0.0, 0.0, 0
+    for lp, win, ref in zip(lps, windows, base, strict=True):
+        target = torch.tensor(win[PREFILL:WINDOW])
+        nll -= float(lp.gather(1, target[:, None]).sum())
+        kl += float((ref.exp() * (ref - lp)).sum())
+        agree += int((ref.argmax(-1) == lp.argmax(-1)).sum())
+    n = len(lps) * (WINDOW - PREFILL)
+    return {"ppl": math.exp(nll / n), "kl": kl / n, "top1": agree / n}
+
+
+def decode_pressing(
+    args: argparse.Namespace,
+    model: Llama,
+    codecs: list[str],
+    wins: list[list[int]],
+    base: list[torch.Tensor],
+) -> list[dict[str, Any]]:
+    """One row per codec: every window under ``--press-decode`` (see the module docstring)."""
+    rows = []
+    for codec in tqdm(codecs, desc=f"decode press {args.press_decode}", unit="codec"):
+        runs = [
+            pressed_logprobs(model, codec, win, args.press_decode, args.cap, args.every)
+            for win in wins
+        ]
+        rows.append(
+            {
+                "codec": codec,
+                "press": args.press_decode,
+                "cap": args.cap,
+                "every": args.every,
+                "held_fraction": sum(h for _, h in runs) / len(runs),
+                **quality([lp for lp, _ in runs], wins, base),
+            }
+        )
+    return rows
+
+
 def decode_speed(model: Llama, codec: str, tokens: list[int], steps: int = 24) -> float:
     """Decode tokens/s after a 2048-token prefill: the median step of ``steps`` (after 3
     warm-up steps), so one slow step on a shared machine does not decide it."""
@@ -98,20 +174,28 @@ def decode_speed(model: Llama, codec: str, tokens: list[int], steps: int = 24) -
     return 1.0 / statistics.median(times[3:])
 
 
+def held_bytes(model: Llama, spec: str, n: int) -> int:
+    """Bytes a cache of ``spec`` holds for one sequence of ``n`` tokens, all layers, K+V:
+    codes, per-row metadata, the fp16 window of the newest rows, key centres. Measured on a
+    real cache sized for it (random rows: the bytes do not depend on the values)."""
+    c = model.config
+    cache = CausalCache(n, max_batch=n, shift=model.rope.shift, **parse(spec))
+    cache.start_forward(Batch.single(0, 0, n))
+    g = torch.Generator().manual_seed(0)
+    for layer in range(c.num_layers):
+        k, v = torch.randn(2, n, c.num_kv_heads, c.head_dim, generator=g)  # [n, H, D] each
+        cache.put(layer, k, v)
+    held = cache.memory_usage_bytes()
+    cache.close()
+    return held
+
+
 def bytes_per_token(model: Llama, spec: str) -> tuple[float, float]:
     """Bytes per token, all layers, K+V: (each further token's, i.e. codes and per-row
     metadata; everything held at a 2k context divided by 2048, fixed parts included: the
     fp16 window of the newest rows, key centres)."""
-    c = model.config
-    kw = parse(spec)
-    k, v = make_codec(str(kw["key_codec"]), "key"), make_codec(str(kw["value_codec"]), "value")
-
-    def held(n: int) -> int:
-        cpu = torch.device("cpu")
-        return sum(codec.allocate(n, c.num_kv_heads, c.head_dim, cpu).nbytes() for codec in (k, v))
-
-    step = held(8192) - held(4096)  # the fixed parts cancel (4096: whole kivi blocks)
-    return step / 4096 * c.num_layers, held(WINDOW) / WINDOW * c.num_layers
+    step = held_bytes(model, spec, 8192) - held_bytes(model, spec, 4096)  # fixed parts cancel
+    return step / 4096, held_bytes(model, spec, WINDOW) / WINDOW
 
 
 class Recorder:
@@ -174,7 +258,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codecs", nargs="*", default=None, help=f"subset of {CODECS}")
     parser.add_argument("--windows", type=int, default=None, help="windows of 2048 (default 4)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--press-decode",
+        default=None,
+        metavar="SPEC",
+        help="also run each codec with this kvcache.press spec capping the cache during decode",
+    )
+    parser.add_argument(
+        "--cap",
+        type=float,
+        default=0.25,
+        help="with --press-decode: cells held / tokens seen (default 0.25)",
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=16,
+        help="with --press-decode: decode steps between presses (default 16)",
+    )
     args = parser.parse_args(argv)
+    if args.press_decode and not 0 < args.cap < 1:
+        parser.error(f"--cap {args.cap}: expected a fraction in (0, 1)")
+    if args.press_decode and importlib.util.find_spec("kvcache.press") is None:
+        parser.error("--press-decode needs kvcache.press (issue 14), not in this checkout")
     torch.set_num_threads(args.threads)
     codecs = args.codecs or (["fp32", "int8", "int4", "turbo4"] if args.quick else CODECS)
     if codecs[0] != "fp32":
@@ -183,34 +289,24 @@ def main(argv: list[str] | None = None) -> int:
     model = Llama.from_gguf()
     tokenizer = Tokenizer.from_gguf()
     tokens = license_tokens(tokenizer, windows * WINDOW)
+    wins = [tokens[w * WINDOW : (w + 1) * WINDOW] for w in range(windows)]
     base: list[torch.Tensor] = []
     rows = []
     with torch.inference_mode():
         for codec in tqdm(codecs, desc="kv_quality", unit="codec"):
-            nll, kl, agree = 0.0, 0.0, 0
-            for w in range(windows):
-                win = tokens[w * WINDOW : (w + 1) * WINDOW]
-                lp = window_logprobs(model, codec, win)
-                target = torch.tensor(win[PREFILL:WINDOW])
-                nll -= float(lp.gather(1, target[:, None]).sum())
-                if codec == "fp32":
-                    base.append(lp)
-                ref = base[w]
-                kl += float((ref.exp() * (ref - lp)).sum())
-                agree += int((ref.argmax(-1) == lp.argmax(-1)).sum())
-            n = windows * (WINDOW - PREFILL)
+            lps = [window_logprobs(model, codec, win) for win in wins]
+            base = base or lps  # fp32 comes first
             asym, at2k = bytes_per_token(model, codec)
             rows.append(
                 {
                     "codec": codec,
-                    "ppl": math.exp(nll / n),
-                    "kl": kl / n,
-                    "top1": agree / n,
+                    **quality(lps, wins, base),
                     "bytes_per_token": asym,
                     "bytes_per_token_2k": at2k,
                     "decode_tok_s_2k": decode_speed(model, codec, tokens),
                 }
             )
+        pressed = decode_pressing(args, model, codecs, wins, base) if args.press_decode else []
         cosines = attention_cosines(model, tokens, codecs)
     fp32, fp16_bytes = rows[0], 30 * 2 * 3 * 64 * 2
     for r in rows:
@@ -236,6 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         "attn_cos_min",
     ]
     print(table(rows, cols))
+    for r in pressed:
+        r["dppl_pct"] = 100 * (r["ppl"] / fp32["ppl"] - 1)
+    if pressed:
+        print(table(pressed, ["codec", "press", "cap", "every", "held_fraction", *cols[1:5]]))
+        for r in pressed:
+            met = "met" if r["dppl_pct"] <= DECODE_PRESS_GOAL else "missed"
+            print(
+                f"[{met}] {r['codec']} + {r['press']} capped at {r['cap']:g} of the history: "
+                f"ΔPPL {r['dppl_pct']:+.2f}% (issue 14: <= {DECODE_PRESS_GOAL:g}% at 1/4)"
+            )
     path = write_json(
         "kv_quality",
         {
@@ -243,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             "scored_tokens": windows * 1024,
             "rows": rows,
             "attention_cosine_per_layer": cosines,
+            "decode_pressing": pressed,
         },
     )
     print(f"wrote {path}")

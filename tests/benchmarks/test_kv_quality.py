@@ -1,0 +1,30 @@
+"""benchmarks/kv_quality.py: the bytes a codec holds and the quality figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kv_quality as kq
+
+
+def test_held_bytes_counts_every_layer_k_and_v(history_model) -> None:
+    c = history_model.config  # 2 layers, 2 KV heads, head_dim 8
+    row = c.num_layers * 2 * c.num_kv_heads * c.head_dim
+    assert kq.held_bytes(history_model, "fp32", 64) == 64 * row * 4
+    assert kq.held_bytes(history_model, "fp16", 64) == 64 * row * 2
+    assert kq.held_bytes(history_model, "int8", 64) < 64 * row * 2
+
+
+def test_quality_of_a_uniform_model_and_of_itself() -> None:
+    vocab = 50
+    win = [i % vocab for i in range(kq.WINDOW)]
+    uniform = torch.full((kq.WINDOW - kq.PREFILL, vocab), -math.log(vocab), dtype=torch.float64)
+    same = kq.quality([uniform], [win], [uniform])
+    assert same["ppl"] == pytest.approx(vocab) and same["kl"] == pytest.approx(0.0, abs=1e-12)
+    assert same["top1"] == 1.0
+    sharp = torch.log_softmax(torch.randn(kq.WINDOW - kq.PREFILL, vocab, dtype=torch.float64), -1)
+    other = kq.quality([sharp], [win], [uniform])
+    assert other["kl"] > 0 and other["top1"] < 1.0

@@ -1,0 +1,130 @@
+"""benchmarks/long_context.py: the harness's prefill + answer path against a no-cache greedy
+reference, and its retention and goal bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+
+import long_context as lc
+from greedy_reference import greedy, random_prompt
+
+
+def test_chunked_prefill_then_answer_is_the_uncached_greedy(history_model, monkeypatch) -> None:
+    monkeypatch.setattr(lc, "CHUNK", 5)  # 17 context tokens: 4 forwards
+    context, question = random_prompt(17, seed=3), random_prompt(4, seed=4)
+    cache = history_model.new_cache(40, max_batch=8)
+    pressed = lc.apply_press("none", history_model, cache, 0, context)
+    assert pressed.press_s == 0.0 and pressed.compression is None
+    assert cache.next_position(0) == 17
+    got = lc.answer(history_model, cache, 0, question, 6, eos=None)
+    assert got == greedy(history_model, context + question, 6)
+
+
+def test_answer_stops_at_eos(history_model) -> None:
+    context, question = random_prompt(9, seed=5), random_prompt(3, seed=6)
+    first = greedy(history_model, context + question, 1)[0]
+    cache = history_model.new_cache(20)
+    lc.apply_press("none", history_model, cache, 0, context)
+    assert lc.answer(history_model, cache, 0, question, 6, eos=first) == []
+
+
+def _row(press: str, codec: str, scores: dict[str, float], **kw: float) -> dict[str, object]:
+    return {
+        "press": press,
+        "codec": codec,
+        "cells": {c: {"score": s} for c, s in scores.items()},
+        **kw,
+    }
+
+
+def test_retention_counts_the_kept_cells_only() -> None:
+    base = _row("none", "fp32", {"a@1024": 1.0, "b@1024": 0.8, "c@1024": 0.1})
+    row = _row("snapkv:0.5", "fp32", {"a@1024": 0.9, "b@1024": 0.8, "c@1024": 0.5})
+    assert lc.retention(row, base, ["a@1024", "b@1024"]) == pytest.approx(1.7 / 1.8)
+
+
+def test_configs_start_with_the_fp32_calibration() -> None:
+    got = [(c.press, c.codec) for c in lc.configs(["snapkv:0.5"], ["int8", "fp32"])]
+    assert got == [
+        ("none", "fp32"),
+        ("none", "int8"),
+        ("snapkv:0.5", "int8"),
+        ("snapkv:0.5", "fp32"),
+    ]
+
+
+def _summary(press: str, codec: str, compression: float, retention: float, cost=None):  # type: ignore[no-untyped-def]
+    return {
+        "press": press,
+        "codec": codec,
+        "compression": compression,
+        "retention": retention,
+        "press_cost": cost,
+    }
+
+
+def test_goals_met_missed_and_not_measured() -> None:
+    rows = [
+        _summary("none", "fp32", 0.5, 1.0),
+        _summary("none", "kivi4", 3.0, 0.99),
+        _summary("streaming:0.5", "kivi4", 6.0, 0.80, 0.01),
+        _summary("snapkv:0.5", "kivi4", 6.0, 0.98, 0.02),
+        _summary("streaming:0.75", "kivi4", 12.0, 0.70, 0.01),
+        _summary("snapkv:0.75", "kivi4", 12.0, 0.70, 0.20),
+    ]
+    status = {g["goal"]: (g["status"], g["detail"]) for g in lc.goals(rows)}
+    assert status["4x total compression -> retention >= 97%"][0] == "met"
+    assert "snapkv:0.5 x kivi4: 98.0%" in status["4x total compression -> retention >= 97%"][1]
+    assert status["8x total compression -> retention >= 90%"][0] == "missed"
+    beats = status["best press beats StreamingLLM at every ratio >= 0.5"]
+    assert beats[0] == "missed" and "streaming:0.75 x kivi4" in beats[1]  # a tie is no win
+    assert status["pressing costs <= 10% of the prefill"] == (
+        "missed",
+        "worst snapkv:0.75 x kivi4: 20.0%",
+    )
+    none = {g["status"] for g in lc.goals(rows[:2])}
+    assert none == {"not measured"}
+
+
+def _full(press: str, codec: str, score: float, compression: float, prefill: float, press_s=0.0):  # type: ignore[no-untyped-def]
+    cell = {"score": score, "prefill_s": prefill, "press_s": press_s, "outputs": []}
+    drop = {"score": 0.2, "prefill_s": 100.0, "press_s": 0.0, "outputs": []}
+    return {
+        "press": press,
+        "codec": codec,
+        "compression": compression,
+        "cells": {"passkey@1024": cell, "vt@1024": drop},
+    }
+
+
+def test_report_writes_retention_goals_json_and_png(tmp_path, capsys) -> None:
+    import argparse
+    import json
+
+    rows = [
+        _full("none", "fp32", 1.0, 0.5, 10.0),
+        _full("none", "kivi4", 1.0, 3.0, 12.0),
+        _full("streaming:0.5", "kivi4", 0.6, 6.0, 12.0, 0.1),
+        _full("snapkv:0.5", "kivi4", 0.9, 6.0, 12.6, 0.6),
+    ]
+    args = argparse.Namespace(
+        tasks=["passkey", "vt"], lengths=[1024], samples=1, seed=0,
+        json=tmp_path / "lc.json", png=tmp_path / "lc.png",
+    )  # fmt: skip
+    lc.report(args, rows, ["passkey@1024"])
+    out = json.loads((tmp_path / "lc.json").read_text())
+    got = {(r["press"], r["codec"]): r for r in out["rows"]}
+    assert got["snapkv:0.5", "kivi4"]["retention"] == pytest.approx(0.9)
+    assert got["snapkv:0.5", "kivi4"]["press_cost"] == pytest.approx((12.6 + 0.6) / 12.0 - 1)
+    assert got["none", "fp32"]["prefill_s"] == 10.0  # the dropped cell's 100 s not counted
+    status = {g["goal"]: g["status"] for g in out["goals"]}
+    assert status["best press beats StreamingLLM at every ratio >= 0.5"] == "met"
+    assert status["4x total compression -> retention >= 97%"] == "missed"
+    assert (tmp_path / "lc.png").stat().st_size > 0
+    assert "[met] best press beats StreamingLLM" in capsys.readouterr().out
+
+
+def test_config_ratio_reads_specs_with_options() -> None:
+    assert lc.Config("snapkv:0.5,window=32", "fp32").ratio == 0.5
+    assert lc.Config("none", "int8").ratio == 0.0
+    assert lc.Config("tova:0.75", "kivi4").press_name == "tova"
