@@ -16,7 +16,14 @@ compression, one line per press x codec). Goals (issue 14), printed met / missed
 measured: retention >= 97 % at 4x total compression and >= 90 % at 8x; at every ratio
 >= 0.5 the best press beats StreamingLLM (same codec); pressing costs <= 10 % of the
 prefill, where the cost is (prefill under ``observe`` + ``compress``) / the same codec's
-plain prefill of the same samples - 1.
+plain prefill of the same samples - 1, timed in a pass of its own (``--cost-codecs``,
+``--cost-samples``; each press at ratio 0.5, plain and pressed in turn, the fastest of 2).
+
+Each sample is prefilled once per codec with every press observing, snapshotted, and each
+press compresses a restore of that snapshot (bit-identical cells) before answering: the
+answers of one prefill per press at one prefill's cost. The calibration stops a cell as
+soon as it can no longer reach 70 % (the same kept cells, without finishing 8k prompts that
+already lost).
 
     python benchmarks/long_context.py --quick                        # 1k, 2k; 3 samples
     python benchmarks/long_context.py --presses none --codecs fp32 int8 kivi4
@@ -34,7 +41,6 @@ import importlib.util
 import json
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +66,8 @@ CHUNK = 1024  # prefill chunk (tokens per forward)
 # goals of issue 14: (total compression at least, retention at least)
 COMPRESSION_GOALS = [(4.0, 0.97), (8.0, 0.90)]
 PRESS_COST_GOAL = 0.10  # pressing costs at most this fraction of the prefill it follows
+COST_RATIO = 0.5  # the press costs are timed at this ratio (scoring does not depend on it)
+COST_REPEATS = 2  # each prefill of the cost pass timed this often, the fastest kept
 
 
 @dataclass(frozen=True)
@@ -112,9 +120,7 @@ def apply_press(
         t0 = time.perf_counter()
         prefill(model, cache, seq, context_ids)
         return Pressed(time.perf_counter() - t0, 0.0, None)
-    from kvcache.press import make_press
-
-    press = make_press(spec)
+    press = _make_press(spec)
     t0 = time.perf_counter()
     with press.observe(cache):
         prefill(model, cache, seq, context_ids)
@@ -152,32 +158,66 @@ class Bench:
     samples: dict[tuple[str, int], list[Sample]]
     codec_bytes: dict[tuple[str, int], int]
 
-    def run(self, config: Config, sample: Sample) -> dict[str, Any]:
-        """One sample under ``config``: its score, answer, timings and total compression."""
+    def encode(self, sample: Sample) -> tuple[list[int], list[int]]:
         tok = self.tokenizer
-        context = tok.encode(sample.context, add_bos=False)
-        question = tok.encode(sample.question, add_bos=False)
-        cache = make_cache(
-            self.model, config.codec, len(context) + len(question) + sample.max_new_tokens
-        )
+        return tok.encode(sample.context, add_bos=False), tok.encode(sample.question, add_bos=False)
+
+    def run(self, config: Config, sample: Sample) -> dict[str, Any]:
+        """One sample under ``config`` on its own: score, answer, timings, compression."""
+        return self.run_codec(config.codec, [config.press], sample)[config.press]
+
+    def run_codec(
+        self, codec: str, presses: list[str], sample: Sample
+    ) -> dict[str, dict[str, Any]]:
+        """One sample under every press spec of ``presses`` on one codec, from one prefill.
+
+        The context is prefilled once with every press observing (each keeps its own query
+        window), snapshotted, and each press then compresses a restore of that snapshot
+        (bit-identical to the prefilled cells) before the question is answered: the same
+        decisions and answers as one prefill per press, at one prefill's cost. Timings here
+        are the shared prefill's; a press's own cost is ``press_costs``'."""
+        from contextlib import ExitStack
+
+        context, question = self.encode(sample)
+        cache = make_cache(self.model, codec, len(context) + len(question) + sample.max_new_tokens)
+        out: dict[str, dict[str, Any]] = {}
         try:
-            pressed = apply_press(config.press, self.model, cache, 0, context)
-            ids = answer(self.model, cache, 0, question, sample.max_new_tokens, tok.eos_id)
+            objs = {spec: _make_press(spec) for spec in presses if spec != "none"}
+            t0 = time.perf_counter()
+            with ExitStack() as stack:
+                for press in objs.values():
+                    stack.enter_context(press.observe(cache))
+                prefill(self.model, cache, 0, context)
+            prefill_s = time.perf_counter() - t0
+            snap = cache.snapshot(0) if len(presses) > 1 else None
+            for i, spec in enumerate(presses):
+                press_s, compression = 0.0, None
+                if i:  # the previous spec's answer was removed: back to the prefilled prompt
+                    cache.restore(snap, 0)
+                if spec != "none":
+                    t1 = time.perf_counter()
+                    objs[spec].compress(cache, 0)
+                    press_s = time.perf_counter() - t1
+                    compression = fp16_bytes(self.model, len(context)) / cache.held_bytes(0)
+                ids = answer(
+                    self.model, cache, 0, question, sample.max_new_tokens, self.tokenizer.eos_id
+                )
+                cache.remove(0, 0)
+                text = self.tokenizer.decode(ids)
+                if compression is None:
+                    compression = fp16_bytes(self.model, len(context)) / self._held(
+                        codec, len(context)
+                    )
+                out[spec] = {
+                    "score": string_match_all(text, sample.answers),
+                    "output": text,
+                    "prefill_s": prefill_s,
+                    "press_s": press_s,
+                    "compression": compression,
+                }
         finally:
             cache.close()
-        text = tok.decode(ids)
-        compression = pressed.compression
-        if compression is None:
-            compression = fp16_bytes(self.model, len(context)) / self._held(
-                config.codec, len(context)
-            )
-        return {
-            "score": string_match_all(text, sample.answers),
-            "output": text,
-            "prefill_s": pressed.prefill_s,
-            "press_s": pressed.press_s,
-            "compression": compression,
-        }
+        return out
 
     def _held(self, codec: str, n: int) -> int:
         if (codec, n) not in self.codec_bytes:
@@ -185,12 +225,45 @@ class Bench:
         return self.codec_bytes[codec, n]
 
 
-def evaluate(bench: Bench, config: Config, cells: list[tuple[str, int]]) -> dict[str, Any]:
-    """Every sample of ``cells`` under ``config``: per-cell scores and totals."""
-    todo = [(cell, s) for cell in cells for s in bench.samples[cell]]
+def _make_press(spec: str) -> Any:
+    from kvcache.press import make_press
+
+    return make_press(spec)
+
+
+def calibrate(bench: Bench, cells: list[tuple[str, int]]) -> dict[str, Any]:
+    """The fp32 cache without a press on every cell. A cell stops early once it cannot reach
+    KEEP any more (its score over all samples is below KEEP whatever the rest score): the
+    same kept set as running every sample, without paying for 8k prompts that already lost."""
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
-    for cell, sample in tqdm(todo, desc=config.name, unit="sample", leave=False):
-        runs[cell].append(bench.run(config, sample))
+    todo = [(cell, s) for cell in cells for s in bench.samples[cell]]
+    for cell, sample in tqdm(todo, desc="none x fp32 (calibration)", unit="sample", leave=False):
+        done, total = runs[cell], len(bench.samples[cell])
+        if sum(r["score"] for r in done) + (total - len(done)) < KEEP * total - 1e-9:
+            continue
+        done.append(bench.run(Config("none", "fp32"), sample))
+    row = _row(Config("none", "fp32"), runs)
+    for (t, n), rs in runs.items():
+        row["cells"][f"{t}@{n}"]["samples"] = len(rs)
+    return row
+
+
+def evaluate_codec(
+    bench: Bench, codec: str, presses: list[str], cells: list[tuple[str, int]]
+) -> list[dict[str, Any]]:
+    """Every sample of ``cells`` under each press of ``presses`` on ``codec``: one row per
+    press (one prefill per sample, see ``Bench.run_codec``)."""
+    todo = [(cell, s) for cell in cells for s in bench.samples[cell]]
+    runs: dict[str, dict[tuple[str, int], list[dict[str, Any]]]] = {
+        p: {cell: [] for cell in cells} for p in presses
+    }
+    for cell, sample in tqdm(todo, desc=codec, unit="sample", leave=False):
+        for spec, got in bench.run_codec(codec, presses, sample).items():
+            runs[spec][cell].append(got)
+    return [_row(Config(p, codec), runs[p]) for p in presses]
+
+
+def _row(config: Config, runs: dict[tuple[str, int], list[dict[str, Any]]]) -> dict[str, Any]:
     flat = [r for rs in runs.values() for r in rs]
     return {
         "press": config.press,
@@ -209,17 +282,47 @@ def evaluate(bench: Bench, config: Config, cells: list[tuple[str, int]]) -> dict
     }
 
 
+def press_costs(
+    bench: Bench, codecs: list[str], presses: list[str], cells: list[tuple[str, int]],
+    samples: int, repeats: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """What pressing costs against the prefill it follows, measured on its own: for each
+    codec, the first ``samples`` samples of each cell, the plain prefill and the prefill
+    under each press's ``observe`` + its ``compress`` taken in turn, ``repeats`` rounds (the
+    fastest of each kept). cost = pressed / plain - 1."""
+    rows = []
+    for codec in codecs:
+        best: dict[str, float] = {}  # spec -> summed fastest time ("none": the plain prefill)
+        todo = [s for cell in cells for s in bench.samples[cell][:samples]]
+        for sample in tqdm(todo, desc=f"press cost, {codec}", unit="sample", leave=False):
+            context, _ = bench.encode(sample)
+            times: dict[str, float] = {}
+            for _ in range(repeats):
+                for spec in ["none", *presses]:
+                    t = _timed_prefill(bench.model, codec, context, spec)
+                    times[spec] = min(times.get(spec, t), t)
+            for spec, t in times.items():
+                best[spec] = best.get(spec, 0.0) + t
+        for spec in presses:
+            cost = best[spec] / best["none"] - 1
+            rows.append(
+                {"press": spec, "codec": codec, "prefill_s": best["none"],
+                 "pressed_s": best[spec], "press_cost": cost}
+            )  # fmt: skip
+    return rows
+
+
+def _timed_prefill(model: Llama, codec: str, context: list[int], spec: str) -> float:
+    cache = make_cache(model, codec, len(context))
+    try:
+        pressed = apply_press(spec, model, cache, 0, context)
+        return pressed.prefill_s + pressed.press_s
+    finally:
+        cache.close()
+
+
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(float(r[key]) for r in rows) / max(len(rows), 1)
-
-
-def configs(presses: list[str], codecs: list[str]) -> Iterator[Config]:
-    """fp32 without a press first (the calibration), then per codec: none, then the presses."""
-    yield Config("none", "fp32")
-    for codec in codecs:
-        for press in ["none", *[p for p in presses if p != "none"]]:
-            if (press, codec) != ("none", "fp32"):
-                yield Config(press, codec)
 
 
 def retention(row: dict[str, Any], base: dict[str, Any], kept: list[str]) -> float:
@@ -230,8 +333,9 @@ def retention(row: dict[str, Any], base: dict[str, Any], kept: list[str]) -> flo
     return float(num / den)
 
 
-def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 14's goals, each met / missed / not measured, with the configuration that decides."""
+def goals(rows: list[dict[str, Any]], costs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 14's goals, each met / missed / not measured, with the configuration that decides
+    (``costs``: ``press_costs``' rows)."""
     out: list[dict[str, Any]] = []
     for need_x, need_r in COMPRESSION_GOALS:
         fit = [r for r in rows if float(r["compression"]) >= need_x]
@@ -247,13 +351,12 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         )
     out.append(_beats_streaming(rows))
-    pressed = [r for r in rows if r["press"] != "none" and r.get("press_cost") is not None]
-    worst = max(pressed, key=lambda r: float(r["press_cost"]), default=None)
+    worst = max(costs, key=lambda r: float(r["press_cost"]), default=None)
     out.append(
         _goal(
             f"pressing costs <= {PRESS_COST_GOAL:.0%} of the prefill",
             None if worst is None else float(worst["press_cost"]) <= PRESS_COST_GOAL,
-            "no press ran"
+            "no press cost measured"
             if worst is None
             else f"worst {worst['press']} x {worst['codec']}: {float(worst['press_cost']):.1%}",
         )
@@ -321,6 +424,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--codecs", nargs="+", default=CODECS, help=f"default {CODECS}")
     parser.add_argument("--samples", type=int, default=None, help="per task x length (default 10)")
+    parser.add_argument(
+        "--cost-codecs",
+        nargs="+",
+        default=["fp32", "kivi4"],
+        help="codecs the press cost is timed on",
+    )
+    parser.add_argument(
+        "--cost-samples", type=int, default=1,
+        help=f"samples per kept cell the press cost is timed on (each press at {COST_RATIO}; 0: skip)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the task generators")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument(
@@ -356,24 +469,37 @@ def main(argv: list[str] | None = None) -> int:
         for t, n in cells
     }
     bench = Bench(model, tokenizer, samples, {})
+    presses = [p for p in dict.fromkeys(args.presses) if p != "none"]
     rows: list[dict[str, Any]] = []
-    kept: list[str] = []
+    costs: list[dict[str, Any]] = []
     with torch.inference_mode():
-        for config in tqdm(list(configs(args.presses, args.codecs)), desc="configs"):
-            if rows and not kept:
-                break  # nothing to compare: the baseline scored below KEEP everywhere
-            todo = cells if not rows else [c for c in cells if f"{c[0]}@{c[1]}" in kept]
-            rows.append(evaluate(bench, config, todo))
-            if len(rows) == 1:
-                base = rows[0]["cells"]
-                kept = [c for c, v in base.items() if v["score"] >= KEEP]
-                print(_calibration(base, kept))
-    report(args, rows, kept)
+        rows.append(calibrate(bench, cells))
+        kept = [c for c, v in rows[0]["cells"].items() if v["score"] >= KEEP]
+        print(_calibration(rows[0]["cells"], kept))
+        todo = [c for c in cells if f"{c[0]}@{c[1]}" in kept]
+        for codec in tqdm(args.codecs if todo else [], desc="codecs"):
+            rows += evaluate_codec(
+                bench, codec, presses if codec == "fp32" else ["none", *presses], todo
+            )
+        timed: dict[str, str] = {}  # press name -> its spec at COST_RATIO
+        for p in presses:
+            if Config(p, "").ratio == COST_RATIO:
+                timed.setdefault(Config(p, "").press_name, p)
+        if todo and timed and args.cost_samples:
+            costs = press_costs(
+                bench, args.cost_codecs, list(timed.values()), todo, args.cost_samples, COST_REPEATS
+            )
+    report(args, rows, kept, costs)
     return 0
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]], kept: list[str]) -> None:
-    """Retention and press cost per row, the table, the goals, JSON and PNG."""
+def report(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    kept: list[str],
+    costs: list[dict[str, Any]],
+) -> None:
+    """Retention per row, the press costs, the table, the goals, JSON and PNG."""
     base = rows[0]
     for r in rows:  # every total over the kept cells, the ones all rows ran
         cells = [r["cells"][c] for c in kept]
@@ -381,16 +507,12 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], kept: list[str]
         r["prefill_s"] = sum(c["prefill_s"] for c in cells)
         r["press_s"] = sum(c["press_s"] for c in cells)
         r["retention"] = retention(r, base, kept) if kept else None
-    plain = {r["codec"]: r["prefill_s"] for r in rows if r["press"] == "none"}
-    for r in rows:
-        pressed = r["press"] != "none" and plain.get(r["codec"])
-        r["press_cost"] = (
-            (r["prefill_s"] + r["press_s"]) / plain[r["codec"]] - 1 if pressed else None
-        )
     summary = [{k: v for k, v in r.items() if k != "cells"} for r in rows]
     columns = ["press", "codec", "compression", "score_kept", "retention", "prefill_s", "press_s"]
-    print(table(summary, [*columns, "press_cost"]))
-    results = goals(summary) if kept else []
+    print(table(summary, columns))
+    if costs:
+        print(table(costs, ["press", "codec", "prefill_s", "pressed_s", "press_cost"]))
+    results = goals(summary, costs) if kept else []
     for g in results:
         print(f"[{g['status']}] {g['goal']}: {g['detail']}")
     payload = {
@@ -403,6 +525,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], kept: list[str]
         },
         "kept_cells": kept,
         "rows": rows,
+        "press_costs": costs,
         "goals": results,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
