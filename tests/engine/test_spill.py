@@ -76,6 +76,22 @@ def test_spilled_requests_complete_as_with_room_for_all(
         assert list((tmp_path / "spill").iterdir()) == []  # each file read back and deleted
 
 
+@pytest.mark.parametrize("preemption", ["spill", "recompute"])
+def test_a_request_starts_only_when_its_context_fits(history_model: Llama, preemption: str):
+    """vLLM's admission rule: a queued request waits while its context cannot fit beside the
+    running ones' (admitted anyway, it was preempted before it held a cell: 7 of the 10
+    preemptions of the oversubscribed serve_load run). So every victim holds cells: each
+    preemption spills, and recompute preempts no more often."""
+    ps = prompts(4)
+    engine = Engine(history_model, config=tight(None, preemption=preemption))
+    want = [r.generated for r in run(Engine(history_model, config=roomy(None)), ps)]
+    assert [r.generated for r in run(engine, ps)] == want
+    s = engine.stats
+    assert 0 < s.preemptions <= 3  # admitted regardless: 18 (spill), 49 (recompute)
+    if preemption == "spill":
+        assert s.spills == s.preemptions
+
+
 def test_recompute_preemption_computes_again(history_model: Llama):
     """The anchor: with recompute preemption the same workload computes more tokens."""
     ps = prompts(4)

@@ -61,6 +61,9 @@ class NoReuse:
     def waiting_on(self, seq: int) -> bool:
         return False
 
+    def covered(self, r: Request) -> int:
+        return 0
+
     def on_prefilled(self, r: Request) -> None:
         return None
 
@@ -145,6 +148,16 @@ class PrefixReuse:
     def waiting_on(self, seq: int) -> bool:
         """Whether ``seq`` is still computing blocks that others wait for."""
         return seq in self.pending
+
+    def covered(self, r: Request) -> int:
+        """Tokens of ``r``'s context that ``attach`` would share rather than compute: an
+        indexed prefix, or one a running request is computing (loads from the block store
+        are not counted: they take cells)."""
+        usable = r.context[: len(r.context) - 1]
+        hashes = self.index.hashes(usable)
+        local, _ = self._local_match(usable, hashes)
+        soon = self.pending.lookup(usable, hashes)
+        return max(local.tokens, soon.blocks * self.block_size)
 
     def _local_match(self, usable: list[int], hashes: list[bytes]) -> tuple[Match, str | None]:
         """The index's longest match whose holder can still be resumed from."""

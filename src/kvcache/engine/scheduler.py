@@ -245,12 +245,15 @@ class Engine:
                     self.press.recompute(r)
 
     def _fits(self, r: Request) -> bool:
-        """Whether ``r``'s kept cells (if any) can come back now, with a row to spare for
-        every running request; idle holders are evicted for them. With nothing running to
-        free cells, a request that still does not fit recomputes instead."""
+        """Whether ``r`` can start now (vLLM's admission rule): its kept cells (if any), else
+        the cells of its context that no prefix covers, fit beside what the running requests
+        still need for their contexts, with a row to spare for each of them; idle holders
+        are evicted for it. Admitting a request whose context cannot fit would only have the
+        pool preempt it (or another) a few steps later. With nothing running, a request
+        starts anyway (a kept one that still does not fit recomputes instead)."""
         cells = self.preemption.cells_needed(r)
         if cells == 0:
-            return True
+            return self._room_for_context(r)
         want = cells + len(self.running) + 1
         if self.cache.free_cells() < want:
             self.reuse.evict(want)
@@ -261,6 +264,17 @@ class Engine:
                 self.preemption.discard(r)
             return True
         return False
+
+    def _room_for_context(self, r: Request) -> bool:
+        """Whether ``r``'s uncovered context fits beside the running requests' unfed ones."""
+        if not self.running:
+            return True
+        unfed = sum(len(x.context) - x.fed for x in self.running if x.awaits is None)
+        want = len(r.context) - self.reuse.covered(r) + unfed + len(self.running) + 1
+        if self.cache.free_cells() < want:
+            self.reuse.evict(want)
+            want = len(r.context) - self.reuse.covered(r) + unfed + len(self.running) + 1
+        return self.cache.free_cells() >= want
 
     def _wake_waiters(self) -> None:
         """Requests waiting for a prefix that is now computed (or abandoned) start."""
