@@ -10,9 +10,10 @@ stored K/V. Writes benchmarks/results/kv_quality.json and kv_quality.png.
     python benchmarks/kv_quality.py                 # every codec
     python benchmarks/kv_quality.py --quick         # 1 window, fewer codecs
     python benchmarks/kv_quality.py --codecs kivi4 kivi4@post int8/int4
-    python benchmarks/kv_quality.py --codecs fp32 kivi4 --press-decode tova:0.5 --cap 0.25
+    python benchmarks/kv_quality.py --codecs fp32 kivi4 --press-decode tova:0.5 snapkv:0.5 \
+        --cap 0.25 --out kv_quality_press
 
-Decode-time pressing (issue 14, ``--press-decode SPEC``, needs ``kvcache.press``): each
+Decode-time pressing (issue 14, ``--press-decode SPEC [SPEC ...]``, needs ``kvcache.press``): each
 window's prefill and its scored tokens run under the press, the scored tokens one per
 decode step; after the first scored step and every ``--every`` steps after it,
 ``press.during_decode(max_cells=CAP * history)`` evicts the cache back to CAP of the
@@ -137,21 +138,19 @@ def decode_pressing(
 ) -> list[dict[str, Any]]:
     """One row per codec: every window under ``--press-decode`` (see the module docstring)."""
     rows = []
-    for codec in tqdm(codecs, desc=f"decode press {args.press_decode}", unit="codec"):
-        runs = [
-            pressed_logprobs(model, codec, win, args.press_decode, args.cap, args.every)
-            for win in wins
-        ]
-        rows.append(
-            {
-                "codec": codec,
-                "press": args.press_decode,
-                "cap": args.cap,
-                "every": args.every,
-                "held_fraction": sum(h for _, h in runs) / len(runs),
-                **quality([lp for lp, _ in runs], wins, base),
-            }
-        )
+    for spec in args.press_decode:
+        for codec in tqdm(codecs, desc=f"decode press {spec}", unit="codec"):
+            runs = [pressed_logprobs(model, codec, win, spec, args.cap, args.every) for win in wins]
+            rows.append(
+                {
+                    "codec": codec,
+                    "press": spec,
+                    "cap": args.cap,
+                    "every": args.every,
+                    "held_fraction": sum(h for _, h in runs) / len(runs),
+                    **quality([lp for lp, _ in runs], wins, base),
+                }
+            )
     return rows
 
 
@@ -260,9 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--press-decode",
+        nargs="+",
         default=None,
         metavar="SPEC",
-        help="also run each codec with this kvcache.press spec capping the cache during decode",
+        help="also run each codec with each of these kvcache.press specs capping the cache "
+        "during decode",
+    )
+    parser.add_argument(
+        "--out",
+        default="kv_quality",
+        help="results name: benchmarks/results/OUT.json and OUT.png (default kv_quality)",
     )
     parser.add_argument(
         "--cap",
@@ -343,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"ΔPPL {r['dppl_pct']:+.2f}% (issue 14: <= {DECODE_PRESS_GOAL:g}% at 1/4)"
             )
     path = write_json(
-        "kv_quality",
+        args.out,
         {
             "windows": windows,
             "scored_tokens": windows * 1024,
@@ -353,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     print(f"wrote {path}")
-    _plot(rows)
+    _plot(rows, RESULTS / f"{args.out}.png")
     return 0
 
 
@@ -365,7 +371,7 @@ def _label(codec: str) -> str:
     )
 
 
-def _plot(rows: list[dict[str, float | str]]) -> None:
+def _plot(rows: list[dict[str, float | str]], path: Path) -> None:
     """KL vs fp32 (log) against stored bits per value; labels give ΔPPL and decode speed."""
     import matplotlib
 
@@ -391,7 +397,7 @@ def _plot(rows: list[dict[str, float | str]]) -> None:
     )
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(RESULTS / "kv_quality.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
