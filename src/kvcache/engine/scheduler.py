@@ -16,6 +16,9 @@ Requests join and leave between steps. Around the forward, in one place:
   running request that is computing that prefix (the shared-prompt fork);
 * the context policy (:mod:`kvcache.engine.context`): reject what cannot fit, shift the
   context, or let a sliding window forget;
+* admission: a queued request starts (FIFO) once the part of its context that no prefix
+  covers fits beside what the running requests still have to feed (vLLM's rule), so the
+  pool never preempts a request that has not computed anything yet;
 * memory pressure (:mod:`kvcache.engine.pressure`): a forward that does not fit
   (CacheFullError, which changes nothing) evicts idle prefix holders, least recently used
   first, then preempts the youngest running request, which is requeued at the front;
