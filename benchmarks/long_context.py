@@ -481,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += evaluate_codec(
                 bench, codec, presses if codec == "fp32" else ["none", *presses], todo
             )
+            report(args, rows, kept, [])  # what is done so far, should the run be cut short
         timed: dict[str, str] = {}  # press name -> its spec at COST_RATIO
         for p in presses:
             if Config(p, "").ratio == COST_RATIO:
