@@ -76,7 +76,7 @@ def parse(spec: str) -> dict[str, str | None]:
 
 
 def make_cache(model: Llama, spec: str, capacity: int) -> CausalCache:
-    return CausalCache(capacity, max_batch=PREFILL, shift=model.rope.shift, **parse(spec))
+    return CausalCache(capacity, max_batch=PREFILL, shift=model.rope, **parse(spec))
 
 
 def window_logprobs(model: Llama, codec: str, tokens: list[int]) -> torch.Tensor:
@@ -178,7 +178,7 @@ def held_bytes(model: Llama, spec: str, n: int) -> int:
     codes, per-row metadata, the fp16 window of the newest rows, key centres. Measured on a
     real cache sized for it (random rows: the bytes do not depend on the values)."""
     c = model.config
-    cache = CausalCache(n, max_batch=n, shift=model.rope.shift, **parse(spec))
+    cache = CausalCache(n, max_batch=n, shift=model.rope, **parse(spec))
     cache.start_forward(Batch.single(0, 0, n))
     g = torch.Generator().manual_seed(0)
     for layer in range(c.num_layers):
@@ -230,14 +230,15 @@ def attention_cosines(model: Llama, tokens: list[int], codecs: list[str]) -> dic
     mask = torch.ones(512, 512, dtype=torch.bool).tril()
     for codec in codecs:
         cos = []
+        cache = make_cache(model, codec, 512)  # pre- or post-RoPE storage like the cache's
+        cache.start_forward(Batch.single(0, 0, 512))
         for layer, (q, (k, v)) in enumerate(zip(rec.q, rec.kv, strict=True)):
-            store = make_cache(model, codec, 512).storage  # pre- or post-RoPE like the cache
-            pos = torch.arange(512)
-            store.write(layer, slice(0, 512), k, v, pos)
-            kq, vq = store.view(layer, 0, 512, pos)
+            cache.put(layer, k, v)  # read back as the codec gives it, keys rotated
+            kq, vq = cache.read(layer, torch.from_numpy(cache.cells_of(0)))
             exact = _attend(q, k, v, mask, c.num_kv_heads)
             approx = _attend(q, kq, vq, mask, c.num_kv_heads)
             cos.append(float(torch.nn.functional.cosine_similarity(exact, approx, dim=-1).mean()))
+        cache.close()
         out[codec] = cos
     return out
 

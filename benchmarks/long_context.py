@@ -58,7 +58,7 @@ from ruler_tasks import TASKS, Corpus, PromptFormat, Sample, make_sample, string
 
 LENGTHS = [1024, 2048, 4096, 8192]
 QUICK_LENGTHS = [1024, 2048]
-PRESS_NAMES = ["streaming", "snapkv", "knorm", "tova", "expected", "adakv"]
+PRESS_NAMES = ["streaming", "snapkv", "knorm", "tova", "expected", "adakv", "chunkkv"]
 RATIOS = [0.25, 0.5, 0.75]
 CODECS = ["fp32", "int8", "kivi4", "turbo4"]
 KEEP = 0.70  # a cell is kept when the fp32 cache without a press scores at least this

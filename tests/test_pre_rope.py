@@ -96,3 +96,18 @@ def test_key_rope_choice_and_errors():
         CausalCache(8, codec="kivi4", key_rope="pre")
     with pytest.raises(InvalidConfigError, match="key_rope"):
         CausalCache(8, shift=rope_like, key_rope="sideways")
+
+
+def test_a_rope_passed_as_its_bound_shift_is_the_rotary_shift():
+    """``shift=rope.shift`` is the Rope itself (its tables reach the kernels: keys stored
+    before RoPE are rotated there, not on the plain-torch path); other callables stay."""
+    from kvcache.models.rope import Rope
+    from kvcache.protocol import RotaryShift
+
+    rope = Rope(D, 10000.0)
+    for shift in (rope, rope.shift, rope.__call__):
+        cache = CausalCache(16, shift=shift, codec="kivi4")
+        assert cache.shift is rope and isinstance(cache.shift, RotaryShift)
+    assert CausalCache(16, shift=rope_like).shift is rope_like
+    other = Rope(D, 500.0)
+    assert CausalCache(16, shift=other.tables).shift == other.tables  # not a shift: as given

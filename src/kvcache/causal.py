@@ -97,8 +97,9 @@ class CausalCache:
         """``key_rope``: "post" stores keys as given (rotated), "pre" un-rotates them by
         their positions through ``shift`` before the key codec encodes them; None picks
         "pre" when there is a ``shift`` and the key codec prefers it (``Codec.pre_rope``).
-        A ``shift`` that is a :class:`~kvcache.protocol.RotaryShift` (``Rope``) is applied
-        from cos/sin tables inside the attention kernels."""
+        A ``shift`` that is a :class:`~kvcache.protocol.RotaryShift` (``Rope``, or its bound
+        ``shift`` / ``__call__``) is applied from cos/sin tables inside the attention kernels;
+        any other callable makes keys stored before RoPE attend on the plain-torch path."""
         self.capacity = config_int("capacity", capacity, 1)
         self.max_sequences = config_int("max_sequences", max_sequences, 1)
         mb = optional_config_int("max_batch", max_batch, 1)
@@ -110,7 +111,7 @@ class CausalCache:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InvalidConfigError("dtype", dtype, "a floating torch.dtype")
         self.memory = self._normalise_memory(memory)
-        self.shift = shift
+        self.shift = _rotary_owner(shift)
         self.model_id: ModelId = ""  # which model's K/V this holds (snapshots check it)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -667,3 +668,13 @@ def _check_query(q: object, k: torch.Tensor, tokens: int) -> None:
             )
         if q.shape[2] != k.shape[2]:
             raise DimensionMismatchError(k.shape[2], q.shape[2], "q head_dim (= key's)")
+
+
+def _rotary_owner(shift: ShiftFn | None) -> ShiftFn | None:
+    """The RotaryShift itself when ``shift`` is its bound ``__call__`` (``rope.shift``), so
+    the kernels see its tables; any other shift as given."""
+    owner = getattr(shift, "__self__", None)
+    func = getattr(shift, "__func__", None)
+    if isinstance(owner, RotaryShift) and func is type(owner).__call__:
+        return owner
+    return shift

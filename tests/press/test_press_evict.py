@@ -260,6 +260,9 @@ def test_held_bytes_counts_rows_windows_and_records() -> None:
         "snapkv:0.5,compact=2",
         "adakv:0.5,inner=adakv",
         "adakv:0.5,alpha=2",
+        "adakv:0.5,inner=chunkkv",
+        "chunkkv:0.5,inner=adakv",
+        "chunkkv:0.5,chunk=0",
         "expected:0.5,future=x",
     ],
 )
@@ -271,11 +274,13 @@ def test_bad_specs_get_typed_errors(spec: str) -> None:
 
 
 def test_specs_and_registry() -> None:
-    assert {"streaming", "snapkv", "knorm", "tova", "expected", "adakv"} <= set(PRESSES)
+    assert {"streaming", "snapkv", "knorm", "tova", "expected", "adakv", "chunkkv"} <= set(PRESSES)
     p = make_press("snapkv:0.25,window=32,kernel=7,compact=1")
     assert (p.ratio, p.query_rows, p.kernel, p.compact) == (0.25, 32, 7, True)
     ada = make_press("adakv:0.5,inner=knorm,alpha=0.1")
     assert type(ada.inner).__name__ == "KeyNorm" and ada.query_rows == 0
+    chunked = make_press("chunkkv:0.5,inner=snapkv,chunk=8")
+    assert (type(chunked.inner).__name__, chunked.query_rows, chunked.chunk) == ("SnapKV", 64, 8)
 
 
 def test_decode_time_pressing_caps_the_cache(history_model: Llama) -> None:

@@ -53,15 +53,30 @@ def reference_scores(name: str, states: list[ref.LayerStates], theta: float) -> 
         "expected": lambda st: ref.expected(st, theta),
         "streaming": lambda st: ref.streaming(T, RATIO).expand(st.k.shape[1], -1),
         "adakv": lambda st: ref.snapkv(st),
+        "chunkkv": lambda st: ref.knorm(st),  # its default inner press
+        "chunkkv,inner=snapkv,chunk=8": lambda st: ref.snapkv(st),
     }[name]
     return torch.stack([per_layer(st) for st in states])
 
 
-@pytest.mark.parametrize("name", ["snapkv", "tova", "knorm", "expected", "streaming", "adakv"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "snapkv",
+        "tova",
+        "knorm",
+        "expected",
+        "streaming",
+        "adakv",
+        "chunkkv",
+        "chunkkv,inner=snapkv,chunk=8",
+    ],
+)
 def test_scores_and_kept_cells_equal_kvpress(
     name: str, history_model: Llama, tokens: list[int], states: list[ref.LayerStates]
 ) -> None:
-    cache, press = prefill(history_model, tokens, f"{name}:{RATIO}")
+    press_name, _, options = name.partition(",")
+    cache, press = prefill(history_model, tokens, f"{press_name}:{RATIO},{options}".rstrip(","))
     kept = int(T * (1 - RATIO))
     want = reference_scores(name, states, history_model.config.rope_theta)
     got = press.scores(press.scoring(cache, 0, kept))
@@ -71,6 +86,8 @@ def test_scores_and_kept_cells_equal_kvpress(
         score = ref.cell_score(want)
         order = sorted(range(T), key=lambda i: (i != T - 1, -int(votes[i]), -score[i], i))
         expect = sorted(order[:kept])
+    elif press_name == "chunkkv":
+        expect = ref.chunk_decision(ref.cell_score(want), kept, press.chunk)
     else:
         expect = ref.cell_decision(ref.cell_score(want), kept)
     assert expect != list(range(T - kept, T))  # the choice is not just "the newest"
@@ -122,3 +139,18 @@ def test_query_presses_need_an_observed_prefill(history_model: Llama, tokens: li
             make_press(spec).compress(cache, 0)
     assert cache.positions(0) == before
     assert make_press("knorm:0.5").compress(cache, 0) == 40  # query-agnostic: no observe
+
+
+def test_chunkkv_keeps_whole_chunks() -> None:
+    """Cells 2 and 3 score low but their chunk's mean ties the next chunk's and comes first:
+    they stay, while the per-cell rule would keep 4..7 instead."""
+    from kvcache.press.base import newest_first, top_cells
+    from kvcache.press.chunkkv import chunk_select
+
+    score = np.array([0.9, 0.9, 0.1, 0.1, 0.5, 0.5, 0.5, 0.5, 0.2, 0.95])
+    assert chunk_select(newest_first(score), 6, 4).tolist() == [0, 1, 2, 3, 8, 9]
+    assert top_cells(newest_first(score), 6).tolist() == [0, 1, 4, 5, 6, 9]
+    assert ref.chunk_decision(score, 6, 4) == [0, 1, 2, 3, 8, 9]
+    # a partial chunk: its best cells; one chunk of everything: the per-cell choice
+    assert chunk_select(newest_first(score), 7, 4).tolist() == [0, 1, 2, 3, 4, 8, 9]
+    assert chunk_select(newest_first(score), 5, 10).tolist() == [0, 1, 4, 5, 9]

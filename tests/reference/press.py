@@ -166,3 +166,23 @@ def cell_decision(score: np.ndarray, kept: int) -> list[int]:
     last = len(score) - 1
     order = sorted(range(len(score)), key=lambda i: (i != last, -score[i], i))
     return sorted(order[:kept])
+
+
+def chunk_decision(score: np.ndarray, kept: int, chunk: int) -> list[int]:
+    """ChunkKV's kept token indices (kvcache.press.chunkkv): chunks of ``chunk`` tokens by
+    position (the last may be shorter) ranked by their mean cell score (the newest token's
+    chunk first), taken whole while they fit, then the best tokens of the next one."""
+    last = len(score) - 1
+    s = [math.inf if i == last else float(score[i]) for i in range(len(score))]
+    chunks = [list(range(a, min(a + chunk, len(s)))) for a in range(0, len(s), chunk)]
+    mean = [sum(s[i] for i in c) / len(c) for c in chunks]
+    out: list[int] = []
+    for j in sorted(range(len(chunks)), key=lambda j: (-mean[j], j)):
+        room = kept - len(out)
+        if room <= 0:
+            break
+        c = chunks[j]
+        if len(c) > room:
+            c = sorted(c, key=lambda i: (-s[i], i))[:room]
+        out += c
+    return sorted(out)

@@ -23,7 +23,8 @@ def add_press(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SPEC",
         help="after each prompt's prefill keep (1 - RATIO) of its cells: NAME:RATIO with NAME "
-        "streaming, snapkv, knorm, tova, expected or adakv, e.g. snapkv:0.5 (turns prefix "
+        "streaming, snapkv, knorm, tova, expected, adakv or chunkkv, e.g. chunkkv:0.5 (turns "
+        "prefix "
         "reuse off)",
     )
 

@@ -5,7 +5,8 @@ The API (what ``benchmarks/long_context.py`` and the engine call)::
     from kvcache.press import make_press, Press, PRESSES, total_compression
     press = make_press("snapkv:0.5")       # NAME:RATIO[,OPTION=VALUE...], RATIO = fraction
                                            # removed, 0 <= RATIO < 1 (InvalidArgumentError)
-    sorted(PRESSES)                        # adakv, expected, knorm, snapkv, streaming, tova
+    sorted(PRESSES)                        # adakv, chunkkv, expected, knorm, snapkv,
+                                           # streaming, tova
     with press.observe(cache):             # the prefill: attention shows the press its queries
         logits = model.forward(tokens, batch, cache)
     freed = press.compress(cache, seq)     # evict seq's cells down to (1 - ratio); cells freed

@@ -56,9 +56,10 @@ class ExpectedAttention(Press):
     def _layer(self, ctx: Scoring, layer: int) -> torch.Tensor:
         k, v = ctx.kv(layer)  # [n, Hkv, D]
         n, hkv, d = k.shape
-        mu, s = self._statistics(ctx, layer)  # [Hq, D], [Hq, D, D]
+        mu, s = self._statistics(ctx, layer)  # [Hq, D], [Hq, D, D] float64
+        mu, s = mu.to(k.dtype), s.to(k.dtype)  # scored in the keys' precision (ranking only)
         group = mu.shape[0] // hkv
-        kq = k.repeat_interleave(group, dim=1).double()  # [n, Hq, D]
+        kq = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
         logits = torch.einsum("hd,nhd->hn", mu, kq) / math.sqrt(d)  # [Hq, n]
         if self.cov:
             logits = logits + torch.einsum("nhi,hij,nhj->hn", kq, s, kq) / (2 * d)
@@ -66,7 +67,7 @@ class ExpectedAttention(Press):
         probs = torch.softmax(logits[:, tail], dim=-1)  # [Hq, n - sinks]
         out = probs.view(hkv, group, -1).mean(dim=1)  # [Hkv, n - sinks]
         if self.vnorm:
-            out = out * v[tail].double().norm(dim=-1).T
+            out = out * v[tail].norm(dim=-1).T
         full = torch.empty((hkv, n), dtype=out.dtype)
         full[:, tail] = out
         full[:, ~tail] = out.max() if out.numel() else 1.0

@@ -2,7 +2,8 @@
 
 spec = ``NAME:RATIO[,OPTION=VALUE...]``; RATIO is the fraction of cells removed (kvpress's
 ``compression_ratio``), 0 <= RATIO < 1. Options are the press's constructor arguments
-(ints, floats, booleans as 0/1; ``adakv``'s ``inner`` names another press):
+(ints, floats, booleans as 0/1; ``inner`` names a press that scores cells itself, not a
+wrapper):
 
     name       press                                   options (default)
     streaming  sinks + newest (StreamingLLM)           sinks (4)
@@ -12,6 +13,7 @@ spec = ``NAME:RATIO[,OPTION=VALUE...]``; RATIO is the fraction of cells removed 
     expected   expected future attention (kvpress)     rows (64), future (512), sinks (4),
                                                        cov (1), vnorm (1)
     adakv      head-adaptive over an inner press       inner (snapkv), alpha (0.2)
+    chunkkv    whole chunks ranked by an inner press   inner (knorm), chunk (32)
     every one                                          compact (0: mask only, 1: renumber)
 """
 
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from kvcache.errors import InvalidArgumentError
 from kvcache.press.adakv import AdaKV
 from kvcache.press.base import Press
+from kvcache.press.chunkkv import ChunkKV
 from kvcache.press.expected import ExpectedAttention
 from kvcache.press.knorm import KeyNorm
 from kvcache.press.snapkv import SnapKV
@@ -36,7 +39,9 @@ PRESSES: dict[str, Callable[..., Press]] = {
     "tova": TOVA,
     "expected": ExpectedAttention,
     "adakv": AdaKV,
+    "chunkkv": ChunkKV,
 }
+WRAPPERS = {"adakv", "chunkkv"}  # presses over an inner press (never an inner one)
 # option -> (check, what is allowed), beyond the type of its default
 RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "window": (lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
@@ -45,6 +50,7 @@ RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "sinks": (lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
     "future": (lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
     "alpha": (lambda v: isinstance(v, float) and 0.0 <= v <= 1.0, "a float in [0, 1]"),
+    "chunk": (lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
 }
 
 
@@ -88,7 +94,7 @@ def _option(spec: str, key: str, text: str, default: object, ratio: float) -> ob
     value: object
     try:
         if key == "inner":
-            if text not in PRESSES or text == "adakv":
+            if text not in PRESSES or text in WRAPPERS:
                 raise ValueError(text)
             value = PRESSES[text](ratio)
         elif isinstance(default, bool):
@@ -100,7 +106,7 @@ def _option(spec: str, key: str, text: str, default: object, ratio: float) -> ob
         else:
             value = float(text)
     except ValueError:
-        allowed = {"inner": f"a press name in {sorted(set(PRESSES) - {'adakv'})}"}.get(
+        allowed = {"inner": f"a press name in {sorted(set(PRESSES) - WRAPPERS)}"}.get(
             key, f"a {type(default).__name__}" + (" (0 or 1)" if isinstance(default, bool) else "")
         )
         raise InvalidArgumentError("press", spec, f"{key}: {allowed}") from None
