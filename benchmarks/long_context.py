@@ -97,6 +97,12 @@ class Config:
     def press_name(self) -> str:
         return self.press.partition(":")[0]
 
+    @property
+    def family(self) -> str:
+        """The press without its ratio ("chunkkv,inner=snapkv"): one line of the plot."""
+        name, _, rest = self.press.partition(":")
+        return ",".join([name, *rest.split(",")[1:]])
+
 
 def fp16_bytes(model: Llama, tokens: int) -> int:
     """Bytes of ``tokens`` tokens' K and V in fp16, all layers: the compression's numerator
@@ -556,7 +562,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     lines: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         cfg = Config(str(r["press"]), str(r["codec"]))
-        label = "codecs, no press" if cfg.press == "none" else f"{cfg.press_name} x {cfg.codec}"
+        label = "codecs, no press" if cfg.press == "none" else f"{cfg.family} x {cfg.codec}"
         lines.setdefault(label, []).append((float(r["compression"]), 100 * float(r["retention"])))
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, points in sorted(lines.items()):

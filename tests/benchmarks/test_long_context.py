@@ -186,3 +186,8 @@ def test_config_ratio_reads_specs_with_options() -> None:
     assert lc.Config("snapkv:0.5,window=32", "fp32").ratio == 0.5
     assert lc.Config("none", "int8").ratio == 0.0
     assert lc.Config("tova:0.75", "kivi4").press_name == "tova"
+    assert (
+        lc.Config("chunkkv:0.5,inner=snapkv,chunk=8", "kivi4").family
+        == "chunkkv,inner=snapkv,chunk=8"
+    )
+    assert lc.Config("tova:0.75", "kivi4").family == "tova"
