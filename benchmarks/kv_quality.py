@@ -360,8 +360,36 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     print(f"wrote {path}")
-    _plot(rows, RESULTS / f"{args.out}.png")
+    if len(rows) > 1 or not pressed:
+        _plot(rows, RESULTS / f"{args.out}.png", windows)
+    else:  # the fp32 row alone has nothing to show: plot the presses instead
+        _plot_pressed(pressed, float(fp32["ppl"]), RESULTS / f"{args.out}.png")
     return 0
+
+
+def _plot_pressed(pressed: list[dict[str, Any]], ppl: float, path: Path) -> None:
+    """ΔPPL of each codec + decode-time press, bars, with the issue's goal as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranked = sorted(pressed, key=lambda r: float(r["dppl_pct"]))
+    labels = [f"{r['press']}\n{r['codec']}" for r in ranked]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.bar(labels, [float(r["dppl_pct"]) for r in ranked], color="tab:blue")
+    ax.axhline(DECODE_PRESS_GOAL, color="black", ls="--", lw=1, label="issue 14 goal")
+    cap = float(ranked[0]["cap"]) if ranked else 0.0
+    ax.set(
+        ylabel=f"ΔPPL % vs the unpressed cache (PPL {ppl:.1f})",
+        title=f"SmolLM2-135M, decode-time pressing to {cap:g} of the history",
+    )
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
 
 
 def _label(codec: str) -> str:
@@ -372,7 +400,7 @@ def _label(codec: str) -> str:
     )
 
 
-def _plot(rows: list[dict[str, float | str]], path: Path) -> None:
+def _plot(rows: list[dict[str, float | str]], path: Path, windows: int) -> None:
     """KL vs fp32 (log) against stored bits per value; labels give ΔPPL and decode speed."""
     import matplotlib
 
@@ -391,7 +419,7 @@ def _plot(rows: list[dict[str, float | str]], path: Path) -> None:
         )
     ax.set(
         xlabel="bits per stored value (codes + per-row metadata)",
-        ylabel="KL(fp32 || codec), next-token, mean over 4096 tokens",
+        ylabel=f"KL(fp32 || codec), next-token, mean over {windows * 1024} tokens",
         yscale="log",
         xlim=(1.5, 20),
         title="SmolLM2-135M K/V codecs (labels: ΔPPL vs fp32 cache, decode tok/s at 2k)",
