@@ -24,8 +24,7 @@ def add_press(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="after each prompt's prefill keep (1 - RATIO) of its cells: NAME:RATIO with NAME "
         "streaming, snapkv, knorm, tova, expected, adakv or chunkkv, e.g. chunkkv:0.5 (turns "
-        "prefix "
-        "reuse off)",
+        "prefix reuse off)",
     )
 
 
