@@ -15,7 +15,7 @@ The API (what ``benchmarks/long_context.py`` and the engine call)::
     dp = press.during_decode(max_cells=N, every=K)
     dp.step(cache, seq)                    # after each decode step: every K, back to N cells
 
-Layout: ``base.py`` (Press, the per-cell decision, DecodePress), ``queries.py`` (the query
+Layout: ``base.py`` (Press, the per-cell decision, Wrapper, DecodePress), ``queries.py`` (the query
 window an observing press keeps), one file per press family, ``registry.py`` (specs);
 the eviction itself is the cache's (``CausalCache.evict``, mask only by default).
 """

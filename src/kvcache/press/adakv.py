@@ -22,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.press.base import Press, Scoring, aggregate, newest_first
+from kvcache.press.base import Press, Scoring, Wrapper, aggregate, newest_first
 
 ALPHA = 0.2  # kvpress's alpha_safeguard
 
 
-class AdaKV(Press):
+class AdaKV(Wrapper):
     """Head-adaptive selection over an inner press's scores (default SnapKV)."""
 
     name = "adakv"
@@ -35,15 +35,10 @@ class AdaKV(Press):
     def __init__(
         self, ratio: float, compact: bool = False, inner: Press | None = None, alpha: float = ALPHA
     ) -> None:
-        super().__init__(ratio, compact)
         from kvcache.press.snapkv import SnapKV
 
-        self.inner = inner if inner is not None else SnapKV(ratio)
-        self.query_rows = self.inner.query_rows
+        super().__init__(ratio, compact, inner if inner is not None else SnapKV(ratio))
         self.alpha = alpha
-
-    def scores(self, ctx: Scoring) -> torch.Tensor:
-        return self.inner.scores(ctx)
 
     def select(self, ctx: Scoring, keep: int) -> np.ndarray:
         scores = self.scores(ctx)  # [L, Hkv, n]

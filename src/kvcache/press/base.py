@@ -167,6 +167,19 @@ class Press(ABC):
         return f"{type(self).__name__}(ratio={self.ratio})"
 
 
+class Wrapper(Press):
+    """A press over an inner press (AdaKV, ChunkKV): it scores the cells as the inner press
+    does, with the inner press's query rows, and turns the scores into cells its own way."""
+
+    def __init__(self, ratio: float, compact: bool, inner: Press) -> None:
+        super().__init__(ratio, compact)
+        self.inner = inner
+        self.query_rows = inner.query_rows
+
+    def scores(self, ctx: Scoring) -> torch.Tensor:
+        return self.inner.scores(ctx)
+
+
 class DecodePress:
     """Keeps a decoding sequence at most ``max_cells`` cells, pressing every ``every`` steps.
 

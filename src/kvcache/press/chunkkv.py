@@ -24,14 +24,13 @@ pressed during decode the same default is the worst choice (``benchmarks/kv_qual
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from kvcache.press.base import Press, Scoring, aggregate, newest_first
+from kvcache.press.base import Press, Scoring, Wrapper, aggregate, newest_first
 
 CHUNK = 32
 
 
-class ChunkKV(Press):
+class ChunkKV(Wrapper):
     """Whole chunks of ``chunk`` cells, ranked by an inner press's mean cell score."""
 
     name = "chunkkv"
@@ -39,15 +38,10 @@ class ChunkKV(Press):
     def __init__(
         self, ratio: float, compact: bool = False, inner: Press | None = None, chunk: int = CHUNK
     ) -> None:
-        super().__init__(ratio, compact)
         from kvcache.press.knorm import KeyNorm
 
-        self.inner = inner if inner is not None else KeyNorm(ratio)
-        self.query_rows = self.inner.query_rows
+        super().__init__(ratio, compact, inner if inner is not None else KeyNorm(ratio))
         self.chunk = chunk
-
-    def scores(self, ctx: Scoring) -> torch.Tensor:
-        return self.inner.scores(ctx)
 
     def select(self, ctx: Scoring, keep: int) -> np.ndarray:
         return chunk_select(newest_first(aggregate(self.scores(ctx))), keep, self.chunk)

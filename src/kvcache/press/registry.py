@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from kvcache.errors import InvalidArgumentError
 from kvcache.press.adakv import AdaKV
-from kvcache.press.base import Press
+from kvcache.press.base import Press, Wrapper
 from kvcache.press.chunkkv import ChunkKV
 from kvcache.press.expected import ExpectedAttention
 from kvcache.press.knorm import KeyNorm
@@ -41,7 +41,8 @@ PRESSES: dict[str, Callable[..., Press]] = {
     "adakv": AdaKV,
     "chunkkv": ChunkKV,
 }
-WRAPPERS = {"adakv", "chunkkv"}  # presses over an inner press (never an inner one)
+# presses over an inner press (never an inner one themselves)
+WRAPPERS = {n for n, f in PRESSES.items() if isinstance(f, type) and issubclass(f, Wrapper)}
 # option -> (check, what is allowed), beyond the type of its default
 RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "window": (lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
