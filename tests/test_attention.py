@@ -125,6 +125,50 @@ def test_each_row_of_a_16_sequence_batch_equals_that_sequence_alone(codec: str):
         assert (out[0] - batched[s]).abs().max() <= 1e-6 * scale, f"sequence {s}"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("codec", ["fp32", "int8", "kivi4"])
+@pytest.mark.parametrize(("group", "dim"), [(1, 64), (2, 64), (4, 64), (5, 64), (3, 48)])
+def test_kernel_for_every_query_group_and_thread_count(
+    group: int, dim: int, codec: str, threads: int
+):
+    """Query heads per KV head 1..5 (the score and value loops block 1-3 rows by 4 cells and
+    4+ rows by 2; a head_dim of 48 leaves a 16-column rest), histories that are no multiple
+    of a block, decode rows of 5 sequences with 1 or 2 threads taking the work items: each
+    equals the float64 reference."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cache = CausalCache(2048, max_sequences=5, shift=Rope(dim, 10000.0), codec=codec)
+        g = torch.Generator().manual_seed(group)
+        lengths = [1, 3, 130, 301, 777]
+        for s, n in enumerate(lengths):
+            cache.start_forward(Batch.single(s, 0, n))
+            cache.put(0, torch.randn(n, H, dim, generator=g), torch.randn(n, H, dim, generator=g))
+        cache.start_forward(Batch(lengths, list(range(5))))
+        q = torch.randn(5, H * group, dim, generator=g)
+        k, v = torch.randn(2, 5, H, dim, generator=g)
+        out = cache.attention(0, q, k, v)
+        keys, values, mask = cache.get(0)
+        ref = grouped_attention(q.double(), keys.double(), values.double(), mask, dim**-0.5)
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < REL
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_kernels_run_on_torchs_threads():
+    """Built without OpenMP, at::parallel_for in the extension runs everything on one thread
+    (it did until this test existed): the kernels must use as many as torch is given."""
+    from kvcache.kernels.build import extension
+
+    previous = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert extension().parallel_threads(8) == n
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_reserve_forward_allocates_and_returns_zeros():
     cache = CausalCache(64, codec="int4")
     cache.start_forward(Batch.single(0, 0, 3), reserve=True)

@@ -7,7 +7,11 @@ and the torch version, so a changed source, another checkout or another torch bu
 ``scripts/setup.sh`` builds it (``python -m kvcache.kernels``); otherwise the first attention
 call does (about a minute), never a timed step after that.
 It runs on torch's intra-op thread pool (``at::parallel_for``): ``torch.set_num_threads``
-sets its threads too.
+sets its threads too. That needs ``-fopenmp`` (compile and link): ATen's ``parallel_for`` is a
+header whose ``omp parallel`` pragma a build without it ignores, running every item on one
+thread (``parallel_threads`` in the extension reports what a build really gets). The OpenMP
+runtime linked is ``libgomp.so.1``, the soname torch's wheel loads first: one runtime per
+process.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from kvcache.errors import NotSupportedError
 
 SOURCES = ("attention.cpp", "readers.cpp")
 HEADERS = ("readers.h", "simd.h", "tiles.h")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 
 
 def _source_dir() -> Path:
@@ -69,6 +73,7 @@ def extension() -> ModuleType:
                 name=_build_name(),
                 sources=[str(_source_dir() / s) for s in SOURCES],
                 extra_cflags=list(FLAGS),
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(where),
                 verbose=bool(os.environ.get("KVCACHE_KERNEL_VERBOSE")),
             )

@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <vector>
 
@@ -46,6 +47,7 @@ struct Scratch {
   std::vector<const float*> krows, vrows;
   std::vector<uint8_t> kdom, vdom;
   std::vector<int> ja, jb;
+  float sink = 0.f;  // keeps touch()'s loads
 };
 
 // One segment, every KV head: per tile of cells, each head's keys (decoded), scores, softmax
@@ -94,11 +96,7 @@ void attend_item(const Plan& plan, int64_t s, const float* q, int64_t Hq, int64_
       }
     }
     if (a >= b) continue;
-    if (b0 + BLK < c1) {  // the next tile's rows, while this one is computed
-      const int m = (int)std::min<int64_t>(BLK, c1 - b0 - BLK);
-      prefetch(kr, cells + BLK, m);
-      prefetch(vr, cells + BLK, m);
-    }
+    w.sink += touch(kr, cells + a, b - a) + touch(vr, cells + a, b - a);
     for (int64_t h = 0; h < H; ++h) {
       decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
       for (int64_t e = 0; e < ne; ++e) {
@@ -251,7 +249,12 @@ Pass prepare(const at::Tensor& q, const at::Tensor& cells, const at::Tensor& pos
 }
 
 void run(const Pass& p, const Partials& part) {
-  at::parallel_for(0, p.plan.S, 1, [&](int64_t begin, int64_t end) {
+  // Work items go to whichever thread is free next (an atomic counter), not in fixed chunks:
+  // pieces of memory-bound work finish at uneven times, and a thread waiting at the end of a
+  // static split is time lost on every layer.
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), p.plan.S);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local Scratch w;  // kept between calls: no allocation in a decode step
     w.ktile.resize(BLK * p.D);
     w.vtile.resize(BLK * p.D);
@@ -259,7 +262,7 @@ void run(const Pass& p, const Partials& part) {
     w.vrows.resize(BLK);
     w.kdom.resize(BLK);
     w.vdom.resize(BLK);
-    for (int64_t item = begin; item < end; ++item)
+    for (int64_t item = next++; item < p.plan.S; item = next++)
       attend_item(p.plan, item, p.q, p.Hq, p.H, p.kr, p.vr, p.rope, p.scale, part, w);
   });
 }
@@ -367,6 +370,18 @@ at::Tensor gather(const at::Tensor& cells, const at::Tensor& pos,
   return out;
 }
 
+// Distinct threads that ran the items of an at::parallel_for over n items: torch's thread
+// count when the extension is built with OpenMP, 1 when it is not (ATen's parallel_for is a
+// header whose `omp parallel` pragma a build without -fopenmp silently ignores).
+int64_t parallel_threads(int64_t n) {
+  std::vector<int> ran(n, -1);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) ran[i] = at::get_thread_num();
+  });
+  std::sort(ran.begin(), ran.end());
+  return std::unique(ran.begin(), ran.end()) - ran.begin();
+}
+
 }  // namespace kvk
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -374,4 +389,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("partials", &kvk::partials, "attention partial sums over plan segments, from the codes");
   m.def("merge", &kvk::merge, "merge each row's partial sums");
   m.def("gather", &kvk::gather, "decoded rows of cells");
+  m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
 }

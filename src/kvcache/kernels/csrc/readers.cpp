@@ -193,19 +193,24 @@ struct Tile {
   const Rope& rope;
 };
 
+[[noreturn]] __attribute__((noinline, cold)) void out_of_range(const char* what, int64_t i,
+                                                                int64_t n) {
+  TORCH_CHECK(false, "kvcache kernel: ", what, " ", i, " out of range (", n, ")");
+}
+
 // the window row of cell c, decoded into out; false when the cell is stored as codes
 inline bool from_window(const Reader& r, int64_t c, int64_t h, float* out) {
   if (r.window == nullptr) return false;
-  TORCH_CHECK(c < r.window_len, "kvcache kernel: cell ", c, " outside the window map");
+  if (c >= r.window_len) out_of_range("cell outside the window map:", c, r.window_len);
   const int32_t slot = r.window[c];
   if (slot < 0) return false;
-  TORCH_CHECK(slot < r.residual_rows, "kvcache kernel: window slot ", slot, " out of range");
+  if (slot >= r.residual_rows) out_of_range("window slot", slot, r.residual_rows);
   half_row(r.residual + ((int64_t)slot * r.H + h) * r.D, out, (int)r.D);
   return true;
 }
 
 inline const uint8_t* code_row(const Reader& r, int64_t c, int64_t h) {
-  TORCH_CHECK(c < r.rows, "kvcache kernel: cell ", c, " has no codes (", r.rows, " rows)");
+  if (c >= r.rows) out_of_range("cell without codes:", c, r.rows);
   return r.data + c * r.data_cell + h * r.data_head;
 }
 
@@ -225,6 +230,13 @@ inline void each_row(const Tile& t, int a, int b, RowFn row) {
 
 void decode_float(const Tile& t, int a, int b) {
   const Reader& r = t.r;
+  if (r.direct && r.window == nullptr) {  // fp32 storage, nothing to convert: pointers only
+    for (int j = a; j < b; ++j) {
+      t.rows[j] = reinterpret_cast<const float*>(code_row(r, t.cells[j], t.h));
+      t.dom[j] = 0;
+    }
+    return;
+  }
   each_row(t, a, b, [&](int j, int64_t c, float* out) {
     const uint8_t* row = code_row(r, c, t.h);
     if (r.kind == F32) {
@@ -364,15 +376,22 @@ void turbo_unrotate(const float* signs, float* y, int64_t P) {
   for (int64_t i = 0; i < P; ++i) y[i] *= norm * signs[i];
 }
 
-void prefetch(const Reader& r, const int32_t* cells, int n) {
+float touch(const Reader& r, const int32_t* cells, int n) {
 #if KVK_AVX2
+  __m256 any = _mm256_setzero_ps();
   for (int j = 0; j < n; ++j) {
     if (cells[j] >= r.rows) continue;  // a window row: no codes to fetch
-    const char* row = reinterpret_cast<const char*>(r.data + cells[j] * r.data_cell);
-    for (int64_t off = 0; off < r.data_cell; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    const float* row = reinterpret_cast<const float*>(r.data + cells[j] * r.data_cell);
+    const int64_t words = r.data_cell / 4;
+    int64_t i = 0;
+    for (; i + 16 <= words; i += 16)  // one load per 64-byte line
+      any = _mm256_or_ps(any, _mm256_or_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(row + i + 8)));
+    if (i < words) any = _mm256_or_ps(any, _mm256_castps128_ps256(_mm_load_ss(row + i)));
   }
+  return _mm256_cvtss_f32(any);
 #else
   (void)r, (void)cells, (void)n;
+  return 0.f;
 #endif
 }
 

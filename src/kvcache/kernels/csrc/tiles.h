@@ -34,6 +34,29 @@ inline void qk_cells(const float* q, const float* const* k, int j, int D, float*
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < NC; ++i) sc[r * BLK + j + i] = hsum8(acc[r][i]);
 }
+
+// Scores of NR <= 3 rows against 4 cells: the query rows stay in registers, each key row is
+// loaded once, and each row's 4 sums are reduced together (3 hadds, not 4 horizontal sums).
+template <int NR>
+inline void qk_cells4(const float* q, const float* const* k, int j, int D, float* sc) {
+  __m256 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int c = 0; c < D; c += 8) {
+    __m256 qv[NR];
+    for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q + r * D + c);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 kv = _mm256_loadu_ps(k[j + i] + c);
+      for (int r = 0; r < NR; ++r) acc[r][i] = _mm256_fmadd_ps(qv[r], kv, acc[r][i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
+                                    _mm256_hadd_ps(acc[r][2], acc[r][3]));
+    _mm_storeu_ps(sc + r * BLK + j,
+                  _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+}
 #endif
 
 // sc[r * BLK + j] = <q[r], k[j]> for r < NR, j in [ja, jb)
@@ -41,8 +64,11 @@ template <int NR>
 inline void qk_tile(const float* q, const float* const* k, int ja, int jb, int D, float* sc) {
   int j = ja;
 #if KVK_AVX2
-  constexpr int NC = NR == 1 ? 4 : (NR == 2 ? 3 : 2);
-  for (; j + NC <= jb; j += NC) qk_cells<NR, NC>(q, k, j, D, sc);
+  if constexpr (NR <= 3) {
+    for (; j + 4 <= jb; j += 4) qk_cells4<NR>(q, k, j, D, sc);
+  } else {
+    for (; j + 2 <= jb; j += 2) qk_cells<NR, 2>(q, k, j, D, sc);
+  }
   for (; j < jb; ++j) qk_cells<NR, 1>(q, k, j, D, sc);
 #else
   for (; j < jb; ++j)
@@ -50,29 +76,36 @@ inline void qk_tile(const float* q, const float* const* k, int ja, int jb, int D
 #endif
 }
 
+#if KVK_AVX2
+// acc[r][c0 : c0 + 8 * NV] += sum_j p[r * BLK + j] * v[j][c0 : ...]: NR x NV accumulators, so
+// that enough independent FMA chains are in flight (one chain per accumulator and cell)
+template <int NR, int NV>
+inline void pv_cols(const float* p, const float* const* v, int ja, int jb, int D, int c0,
+                    float* acc) {
+  __m256 a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int x = 0; x < NV; ++x) a[r][x] = _mm256_loadu_ps(acc + r * D + c0 + 8 * x);
+  for (int j = ja; j < jb; ++j) {
+    __m256 pr[NR];
+    for (int r = 0; r < NR; ++r) pr[r] = _mm256_broadcast_ss(p + r * BLK + j);
+    for (int x = 0; x < NV; ++x) {
+      const __m256 vx = _mm256_loadu_ps(v[j] + c0 + 8 * x);
+      for (int r = 0; r < NR; ++r) a[r][x] = _mm256_fmadd_ps(pr[r], vx, a[r][x]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int x = 0; x < NV; ++x) _mm256_storeu_ps(acc + r * D + c0 + 8 * x, a[r][x]);
+}
+#endif
+
 // acc[r] += sum_j p[r * BLK + j] * v[j] for r < NR, j in [ja, jb)
 template <int NR>
 inline void pv_tile(const float* p, const float* const* v, int ja, int jb, int D, float* acc) {
 #if KVK_AVX2
-  for (int c = 0; c < D; c += 16) {
-    __m256 a[NR][2];
-    for (int r = 0; r < NR; ++r) {
-      a[r][0] = _mm256_loadu_ps(acc + r * D + c);
-      a[r][1] = _mm256_loadu_ps(acc + r * D + c + 8);
-    }
-    for (int j = ja; j < jb; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v[j] + c), v1 = _mm256_loadu_ps(v[j] + c + 8);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 pr = _mm256_broadcast_ss(p + r * BLK + j);
-        a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      _mm256_storeu_ps(acc + r * D + c, a[r][0]);
-      _mm256_storeu_ps(acc + r * D + c + 8, a[r][1]);
-    }
-  }
+  constexpr int NV = NR <= 3 ? 4 : 2;  // 12 (8) accumulators: 16 registers with the rest
+  int c = 0;
+  for (; c + 8 * NV <= D; c += 8 * NV) pv_cols<NR, NV>(p, v, ja, jb, D, c, acc);
+  for (; c < D; c += 16) pv_cols<NR, 2>(p, v, ja, jb, D, c, acc);
 #else
   for (int j = ja; j < jb; ++j)
     for (int r = 0; r < NR; ++r) axpy(p[r * BLK + j], v[j], acc + r * D, D);
