@@ -45,6 +45,8 @@ struct Partials {
 struct Scratch {
   std::vector<float> q, m, l, acc, accr, sc, ktile, vtile;
   std::vector<const float*> krows, vrows;
+  std::vector<const int8_t*> kcodes, vcodes;  // int8 tiles read from the codes
+  std::vector<float> kscale, vscale;
   std::vector<uint8_t> kdom, vdom;
   std::vector<int> ja, jb;
   float sink = 0.f;  // keeps touch()'s loads
@@ -97,14 +99,26 @@ void attend_item(const Plan& plan, int64_t s, const float* q, int64_t Hq, int64_
     }
     if (a >= b) continue;
     w.sink += touch(kr, cells + a, b - a) + touch(vr, cells + a, b - a);
+    // int8 K and V, none of the tile's rows in an fp16 window, keys after RoPE: the math reads
+    // the codes themselves (scores times the key scales, weights times the value scales)
+    const bool int8 = KVK_AVX2 && kr.kind == INT8 && vr.kind == INT8 && !kr.pre_rope &&
+                      all_codes(kr, cells + a, b - a) && all_codes(vr, cells + a, b - a);
     for (int64_t h = 0; h < H; ++h) {
-      decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
+      if (int8)
+        int8_rows(kr, h, cells, a, b, w.kcodes.data(), w.kscale.data());
+      else
+        decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
       for (int64_t e = 0; e < ne; ++e) {
         const int ja = w.ja[e], jb = w.jb[e];
         if (ja >= jb) continue;
         const int64_t r0 = (h * ne + e) * G;
-        qk_rows(w.q.data() + r0 * D, (int)G, w.krows.data(), ja, jb, (int)D,
-                w.sc.data() + e * G * BLK);
+        float* sc0 = w.sc.data() + e * G * BLK;
+        if (int8) {
+          qk_rows<Int8Rows>(w.q.data() + r0 * D, (int)G, w.kcodes.data(), ja, jb, (int)D, sc0);
+          for (int64_t g = 0; g < G; ++g) mul_rows(w.kscale.data() + ja, sc0 + g * BLK + ja, jb - ja);
+        } else {
+          qk_rows(w.q.data() + r0 * D, (int)G, w.krows.data(), ja, jb, (int)D, sc0);
+        }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = r0 + g;
           float* sc = w.sc.data() + (e * G + g) * BLK;
@@ -119,6 +133,18 @@ void attend_item(const Plan& plan, int64_t s, const float* q, int64_t Hq, int64_
           }
           w.l[r] += exp_shift_sum(sc + ja, jb - ja, bm);
         }
+      }
+      if (int8) {
+        int8_rows(vr, h, cells, a, b, w.vcodes.data(), w.vscale.data());
+        for (int64_t e = 0; e < ne; ++e) {
+          const int ja = w.ja[e], jb = w.jb[e];
+          if (ja >= jb) continue;
+          float* p0 = w.sc.data() + e * G * BLK;
+          for (int64_t g = 0; g < G; ++g) mul_rows(w.vscale.data() + ja, p0 + g * BLK + ja, jb - ja);
+          pv_rows<Int8Rows>(p0, (int)G, w.vcodes.data(), ja, jb, (int)Dv,
+                            w.acc.data() + (h * ne + e) * G * Dv);
+        }
+        continue;
       }
       decode(vr, h, cells, pos, a, b, w.vtile.data(), w.vrows.data(), w.vdom.data(), rope);
       bool rotated = false;
@@ -260,6 +286,10 @@ void run(const Pass& p, const Partials& part) {
     w.vtile.resize(BLK * p.D);
     w.krows.resize(BLK);
     w.vrows.resize(BLK);
+    w.kcodes.resize(BLK);
+    w.vcodes.resize(BLK);
+    w.kscale.resize(BLK);
+    w.vscale.resize(BLK);
     w.kdom.resize(BLK);
     w.vdom.resize(BLK);
     for (int64_t item = next++; item < p.plan.S; item = next++)

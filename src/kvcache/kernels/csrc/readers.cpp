@@ -376,6 +376,25 @@ void turbo_unrotate(const float* signs, float* y, int64_t P) {
   for (int64_t i = 0; i < P; ++i) y[i] *= norm * signs[i];
 }
 
+bool all_codes(const Reader& r, const int32_t* cells, int n) {
+  for (int j = 0; j < n; ++j) {
+    const int64_t c = cells[j];
+    if (c >= r.rows) return false;
+    if (r.window != nullptr && (c >= r.window_len || r.window[c] >= 0)) return false;
+  }
+  return true;
+}
+
+void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
+               const int8_t** rows, float* scales) {
+  TORCH_CHECK(r.kind == INT8 && r.scale_head == 1, "kvcache kernel: int8_rows of another codec");
+  for (int j = a; j < b; ++j) {
+    const int64_t c = cells[j];
+    rows[j] = reinterpret_cast<const int8_t*>(code_row(r, c, h));
+    scales[j] = half_to_float(r.scale[c * r.H + h]);
+  }
+}
+
 float touch(const Reader& r, const int32_t* cells, int n) {
 #if KVK_AVX2
   __m256 any = _mm256_setzero_ps();

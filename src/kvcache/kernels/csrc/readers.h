@@ -66,6 +66,15 @@ Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>&
 void decode(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a, int b,
             float* tile, const float** rows, uint8_t* dom, const Rope& rope);
 
+// Whether every cell of cells[0:n] has its row in the codes (none in an fp16 window).
+bool all_codes(const Reader& r, const int32_t* cells, int n);
+
+// int8 readers: rows[j] -> the int8 codes of head h of cells[j], scales[j] their row scale,
+// for j in [a, b) (cells all in the codes: all_codes). The tile math reads the codes as they
+// are and applies the scales to scores and weights: no decoded copy.
+void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
+               const int8_t** rows, float* scales);
+
 // Load the code rows [H, *] of cells[0:n] (the tile about to be computed) in one tight pass,
 // every line once, and return a value that depends on them (so the loads are kept). A tile's
 // math interleaves few loads with much arithmetic, which keeps few cache misses in flight;

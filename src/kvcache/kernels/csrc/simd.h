@@ -110,6 +110,16 @@ inline void scale_row(float f, float* y, int n) {
 #endif
 }
 
+// y[0:n] *= x[0:n]
+inline void mul_rows(const float* x, float* y, int n) {
+  int i = 0;
+#if KVK_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] *= x[i];
+}
+
 // y = a * x + b  (elementwise a, b rows; in place on y = x allowed)
 inline void fma_rows(const float* x, const float* a, const float* b, float* y, int n) {
 #if KVK_AVX2

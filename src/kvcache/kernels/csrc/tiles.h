@@ -1,6 +1,7 @@
 // The math of one tile, shared by every codec: scores of NR query rows against a tile of key
 // rows, and the probability-weighted sum of value rows into NR accumulators. Rows are given as
-// pointers (into storage for fp32, into a decoded tile otherwise); D is a multiple of 16.
+// pointers (into storage for fp32, into a decoded tile, or straight into int8 codes whose
+// row scales the caller applies to scores and weights); D is a multiple of 16.
 // Register blocking: NR query rows x NC cells of accumulators per pass over D (AVX2 builds).
 #pragma once
 
@@ -17,15 +18,35 @@ inline float hsum8(__m256 v) {
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
   return _mm_cvtss_f32(h);
 }
+#endif
 
-template <int NR, int NC>
-inline void qk_cells(const float* q, const float* const* k, int j, int D, float* sc) {
+// Row kinds the tile math reads: 8 channels from c of a row as floats, in registers.
+struct FloatRows {  // float32 rows (storage or a decoded tile)
+  using T = float;
+#if KVK_AVX2
+  static __m256 load8(const T* row, int c) { return _mm256_loadu_ps(row + c); }
+#endif
+  static float at(const T* row, int c) { return row[c]; }
+};
+struct Int8Rows {  // int8 codes, used as they are: the caller applies each row's scale
+  using T = int8_t;
+#if KVK_AVX2
+  static __m256 load8(const T* row, int c) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + c))));
+  }
+#endif
+  static float at(const T* row, int c) { return (float)row[c]; }
+};
+
+#if KVK_AVX2
+template <int NR, int NC, typename R>
+inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D, float* sc) {
   __m256 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < NC; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int c = 0; c < D; c += 8) {
     __m256 kv[NC];
-    for (int i = 0; i < NC; ++i) kv[i] = _mm256_loadu_ps(k[j + i] + c);
+    for (int i = 0; i < NC; ++i) kv[i] = R::load8(k[j + i], c);
     for (int r = 0; r < NR; ++r) {
       const __m256 qv = _mm256_loadu_ps(q + r * D + c);
       for (int i = 0; i < NC; ++i) acc[r][i] = _mm256_fmadd_ps(qv, kv[i], acc[r][i]);
@@ -37,8 +58,8 @@ inline void qk_cells(const float* q, const float* const* k, int j, int D, float*
 
 // Scores of NR <= 3 rows against 4 cells: the query rows stay in registers, each key row is
 // loaded once, and each row's 4 sums are reduced together (3 hadds, not 4 horizontal sums).
-template <int NR>
-inline void qk_cells4(const float* q, const float* const* k, int j, int D, float* sc) {
+template <int NR, typename R>
+inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int D, float* sc) {
   __m256 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
@@ -46,7 +67,7 @@ inline void qk_cells4(const float* q, const float* const* k, int j, int D, float
     __m256 qv[NR];
     for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q + r * D + c);
     for (int i = 0; i < 4; ++i) {
-      const __m256 kv = _mm256_loadu_ps(k[j + i] + c);
+      const __m256 kv = R::load8(k[j + i], c);
       for (int r = 0; r < NR; ++r) acc[r][i] = _mm256_fmadd_ps(qv[r], kv, acc[r][i]);
     }
   }
@@ -60,27 +81,32 @@ inline void qk_cells4(const float* q, const float* const* k, int j, int D, float
 #endif
 
 // sc[r * BLK + j] = <q[r], k[j]> for r < NR, j in [ja, jb)
-template <int NR>
-inline void qk_tile(const float* q, const float* const* k, int ja, int jb, int D, float* sc) {
+template <int NR, typename R>
+inline void qk_tile(const float* q, const typename R::T* const* k, int ja, int jb, int D,
+                    float* sc) {
   int j = ja;
 #if KVK_AVX2
   if constexpr (NR <= 3) {
-    for (; j + 4 <= jb; j += 4) qk_cells4<NR>(q, k, j, D, sc);
+    for (; j + 4 <= jb; j += 4) qk_cells4<NR, R>(q, k, j, D, sc);
   } else {
-    for (; j + 2 <= jb; j += 2) qk_cells<NR, 2>(q, k, j, D, sc);
+    for (; j + 2 <= jb; j += 2) qk_cells<NR, 2, R>(q, k, j, D, sc);
   }
-  for (; j < jb; ++j) qk_cells<NR, 1>(q, k, j, D, sc);
+  for (; j < jb; ++j) qk_cells<NR, 1, R>(q, k, j, D, sc);
 #else
   for (; j < jb; ++j)
-    for (int r = 0; r < NR; ++r) sc[r * BLK + j] = dot(q + r * D, k[j], D);
+    for (int r = 0; r < NR; ++r) {
+      float s = 0.f;
+      for (int c = 0; c < D; ++c) s += q[r * D + c] * R::at(k[j], c);
+      sc[r * BLK + j] = s;
+    }
 #endif
 }
 
 #if KVK_AVX2
 // acc[r][c0 : c0 + 8 * NV] += sum_j p[r * BLK + j] * v[j][c0 : ...]: NR x NV accumulators, so
 // that enough independent FMA chains are in flight (one chain per accumulator and cell)
-template <int NR, int NV>
-inline void pv_cols(const float* p, const float* const* v, int ja, int jb, int D, int c0,
+template <int NR, int NV, typename R>
+inline void pv_cols(const float* p, const typename R::T* const* v, int ja, int jb, int D, int c0,
                     float* acc) {
   __m256 a[NR][NV];
   for (int r = 0; r < NR; ++r)
@@ -89,7 +115,7 @@ inline void pv_cols(const float* p, const float* const* v, int ja, int jb, int D
     __m256 pr[NR];
     for (int r = 0; r < NR; ++r) pr[r] = _mm256_broadcast_ss(p + r * BLK + j);
     for (int x = 0; x < NV; ++x) {
-      const __m256 vx = _mm256_loadu_ps(v[j] + c0 + 8 * x);
+      const __m256 vx = R::load8(v[j], c0 + 8 * x);
       for (int r = 0; r < NR; ++r) a[r][x] = _mm256_fmadd_ps(pr[r], vx, a[r][x]);
     }
   }
@@ -99,44 +125,48 @@ inline void pv_cols(const float* p, const float* const* v, int ja, int jb, int D
 #endif
 
 // acc[r] += sum_j p[r * BLK + j] * v[j] for r < NR, j in [ja, jb)
-template <int NR>
-inline void pv_tile(const float* p, const float* const* v, int ja, int jb, int D, float* acc) {
+template <int NR, typename R>
+inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int jb, int D,
+                    float* acc) {
 #if KVK_AVX2
   constexpr int NV = NR <= 3 ? 4 : 2;  // 12 (8) accumulators: 16 registers with the rest
   int c = 0;
-  for (; c + 8 * NV <= D; c += 8 * NV) pv_cols<NR, NV>(p, v, ja, jb, D, c, acc);
-  for (; c < D; c += 16) pv_cols<NR, 2>(p, v, ja, jb, D, c, acc);
+  for (; c + 8 * NV <= D; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc);
+  for (; c < D; c += 16) pv_cols<NR, 2, R>(p, v, ja, jb, D, c, acc);
 #else
   for (int j = ja; j < jb; ++j)
-    for (int r = 0; r < NR; ++r) axpy(p[r * BLK + j], v[j], acc + r * D, D);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < D; ++c) acc[r * D + c] += p[r * BLK + j] * R::at(v[j], c);
 #endif
 }
 
 // The same for any number of rows: blocks of up to 4.
-inline void qk_rows(const float* q, int rows, const float* const* k, int ja, int jb, int D,
-                    float* sc) {
+template <typename R = FloatRows>
+inline void qk_rows(const float* q, int rows, const typename R::T* const* k, int ja, int jb,
+                    int D, float* sc) {
   for (int r = 0; r < rows; r += 4) {
     const float* qr = q + r * D;
     float* s = sc + r * BLK;
     switch (rows - r < 4 ? rows - r : 4) {
-      case 1: qk_tile<1>(qr, k, ja, jb, D, s); break;
-      case 2: qk_tile<2>(qr, k, ja, jb, D, s); break;
-      case 3: qk_tile<3>(qr, k, ja, jb, D, s); break;
-      default: qk_tile<4>(qr, k, ja, jb, D, s); break;
+      case 1: qk_tile<1, R>(qr, k, ja, jb, D, s); break;
+      case 2: qk_tile<2, R>(qr, k, ja, jb, D, s); break;
+      case 3: qk_tile<3, R>(qr, k, ja, jb, D, s); break;
+      default: qk_tile<4, R>(qr, k, ja, jb, D, s); break;
     }
   }
 }
 
-inline void pv_rows(const float* p, int rows, const float* const* v, int ja, int jb, int D,
-                    float* acc) {
+template <typename R = FloatRows>
+inline void pv_rows(const float* p, int rows, const typename R::T* const* v, int ja, int jb,
+                    int D, float* acc) {
   for (int r = 0; r < rows; r += 4) {
     const float* pr = p + r * BLK;
     float* a = acc + r * D;
     switch (rows - r < 4 ? rows - r : 4) {
-      case 1: pv_tile<1>(pr, v, ja, jb, D, a); break;
-      case 2: pv_tile<2>(pr, v, ja, jb, D, a); break;
-      case 3: pv_tile<3>(pr, v, ja, jb, D, a); break;
-      default: pv_tile<4>(pr, v, ja, jb, D, a); break;
+      case 1: pv_tile<1, R>(pr, v, ja, jb, D, a); break;
+      case 2: pv_tile<2, R>(pr, v, ja, jb, D, a); break;
+      case 3: pv_tile<3, R>(pr, v, ja, jb, D, a); break;
+      default: pv_tile<4, R>(pr, v, ja, jb, D, a); break;
     }
   }
 }
