@@ -395,6 +395,23 @@ void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
   }
 }
 
+void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
+                  const uint8_t** rows, float* scale, float* low) {
+  TORCH_CHECK(r.kind == AFFINE_ROWS && r.bits == 4 && r.meta_a == nullptr,
+              "kvcache kernel: affine4_rows of another codec");
+  const int64_t groups = r.scale_head;
+  for (int j = a; j < b; ++j) {
+    const int64_t c = cells[j];
+    rows[j] = code_row(r, c, h);
+    const uint16_t* sp = r.scale + (c * r.H + h) * groups;
+    const uint16_t* lp = r.low + (c * r.H + h) * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      scale[j * groups + g] = half_to_float(sp[g]);
+      low[j * groups + g] = half_to_float(lp[g]);
+    }
+  }
+}
+
 float touch(const Reader& r, const int32_t* cells, int n) {
 #if KVK_AVX2
   __m256 any = _mm256_setzero_ps();

@@ -75,6 +75,12 @@ bool all_codes(const Reader& r, const int32_t* cells, int n);
 void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                const int8_t** rows, float* scales);
 
+// 4-bit affine readers (codes in groups of D / groups channels, no key centre): rows[j] -> the
+// packed codes of head h of cells[j], scale[j * groups + g] and low[...] its groups' scale and
+// minimum (x = code * scale + low), for j in [a, b) (cells all in the codes).
+void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
+                  const uint8_t** rows, float* scale, float* low);
+
 // Load the code rows [H, *] of cells[0:n] (the tile about to be computed) in one tight pass,
 // every line once, and return a value that depends on them (so the loads are kept). A tile's
 // math interleaves few loads with much arithmetic, which keeps few cache misses in flight;

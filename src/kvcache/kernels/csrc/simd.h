@@ -120,6 +120,16 @@ inline void mul_rows(const float* x, float* y, int n) {
   for (; i < n; ++i) y[i] *= x[i];
 }
 
+// y[0:n] += b
+inline void add_const(float b, float* y, int n) {
+  int i = 0;
+#if KVK_AVX2
+  const __m256 bv = _mm256_set1_ps(b);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_add_ps(bv, _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += b;
+}
+
 // y = a * x + b  (elementwise a, b rows; in place on y = x allowed)
 inline void fma_rows(const float* x, const float* a, const float* b, float* y, int n) {
 #if KVK_AVX2

@@ -38,6 +38,20 @@ struct Int8Rows {  // int8 codes, used as they are: the caller applies each row'
   static float at(const T* row, int c) { return (float)row[c]; }
 };
 
+struct Nibble4Rows {  // 4-bit codes, two a byte, low nibble first: the caller applies the
+  using T = uint8_t;   // groups' scales to the weights and adds the weighted minimums
+#if KVK_AVX2
+  static __m256 load8(const T* row, int c) {
+    uint32_t w;
+    std::memcpy(&w, row + c / 2, 4);  // channels c .. c + 7, never past the row
+    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  }
+#endif
+  static float at(const T* row, int c) { return (float)((row[c / 2] >> (4 * (c % 2))) & 15); }
+};
+
 #if KVK_AVX2
 template <int NR, int NC, typename R>
 inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D, float* sc) {
@@ -124,19 +138,20 @@ inline void pv_cols(const float* p, const typename R::T* const* v, int ja, int j
 }
 #endif
 
-// acc[r] += sum_j p[r * BLK + j] * v[j] for r < NR, j in [ja, jb)
+// acc[r][c0:c1] += sum_j p[r * BLK + j] * v[j][c0:c1] for r < NR, j in [ja, jb)
+// (c0, c1 multiples of 16)
 template <int NR, typename R>
 inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int jb, int D,
-                    float* acc) {
+                    int c0, int c1, float* acc) {
 #if KVK_AVX2
   constexpr int NV = NR <= 3 ? 4 : 2;  // 12 (8) accumulators: 16 registers with the rest
-  int c = 0;
-  for (; c + 8 * NV <= D; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc);
-  for (; c < D; c += 16) pv_cols<NR, 2, R>(p, v, ja, jb, D, c, acc);
+  int c = c0;
+  for (; c + 8 * NV <= c1; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc);
+  for (; c < c1; c += 16) pv_cols<NR, 2, R>(p, v, ja, jb, D, c, acc);
 #else
   for (int j = ja; j < jb; ++j)
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < D; ++c) acc[r * D + c] += p[r * BLK + j] * R::at(v[j], c);
+      for (int c = c0; c < c1; ++c) acc[r * D + c] += p[r * BLK + j] * R::at(v[j], c);
 #endif
 }
 
@@ -156,17 +171,19 @@ inline void qk_rows(const float* q, int rows, const typename R::T* const* k, int
   }
 }
 
+// Columns [c0, c1) of the value sums (the whole row unless given)
 template <typename R = FloatRows>
 inline void pv_rows(const float* p, int rows, const typename R::T* const* v, int ja, int jb,
-                    int D, float* acc) {
+                    int D, float* acc, int c0 = 0, int c1 = -1) {
+  if (c1 < 0) c1 = D;
   for (int r = 0; r < rows; r += 4) {
     const float* pr = p + r * BLK;
     float* a = acc + r * D;
     switch (rows - r < 4 ? rows - r : 4) {
-      case 1: pv_tile<1, R>(pr, v, ja, jb, D, a); break;
-      case 2: pv_tile<2, R>(pr, v, ja, jb, D, a); break;
-      case 3: pv_tile<3, R>(pr, v, ja, jb, D, a); break;
-      default: pv_tile<4, R>(pr, v, ja, jb, D, a); break;
+      case 1: pv_tile<1, R>(pr, v, ja, jb, D, c0, c1, a); break;
+      case 2: pv_tile<2, R>(pr, v, ja, jb, D, c0, c1, a); break;
+      case 3: pv_tile<3, R>(pr, v, ja, jb, D, c0, c1, a); break;
+      default: pv_tile<4, R>(pr, v, ja, jb, D, c0, c1, a); break;
     }
   }
 }
