@@ -420,7 +420,7 @@ float touch(const Reader& r, const int32_t* cells, int n) {
     const float* row = reinterpret_cast<const float*>(r.data + cells[j] * r.data_cell);
     const int64_t words = r.data_cell / 4;
     int64_t i = 0;
-    for (; i + 16 <= words; i += 16)  // one load per 64-byte line
+    for (; i + 16 <= words; i += 16)  // every 64-byte line, as two 32-byte loads
       any = _mm256_or_ps(any, _mm256_or_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(row + i + 8)));
     if (i < words) any = _mm256_or_ps(any, _mm256_castps128_ps256(_mm_load_ss(row + i)));
   }
