@@ -68,9 +68,8 @@ Direct direct_values(const Reader& vr, const int32_t* cells, int n) {
 // Values of head h from 4-bit affine codes (x = code * scale + low per group of channels):
 // per group, the weights times the cells' scales through the tile math, plus the weighted sum
 // of the cells' minimums.
-void affine4_values(const Reader& vr, int64_t h, const int32_t* cells,
-                                              int a, int b, int64_t ne, int64_t G, int64_t Dv,
-                                              Scratch& w) {
+void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, int b,
+                    int64_t ne, int64_t G, int64_t Dv, Scratch& w) {
   affine4_rows(vr, h, cells, a, b, w.vnib.data(), w.vscale.data(), w.vlow.data());
   const int64_t groups = vr.scale_head, width = Dv / groups;
   for (int64_t e = 0; e < ne; ++e) {
