@@ -80,6 +80,7 @@ inline uint64_t word8(const uint8_t* row, int64_t i, int64_t width) {
 #if KVK_AVX2
 template <int BITS>
 inline __m256i codes8(const uint8_t* row, int64_t i, int64_t width) {
+  if constexpr (BITS == 4) return nibbles8(row, i);  // the tile math's unpacker (simd.h)
   const uint64_t w = word8<BITS>(row, i, width);
   const __m256i sh_lo = _mm256_set_epi64x(3 * BITS, 2 * BITS, BITS, 0);
   const __m256i sh_hi = _mm256_set_epi64x(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS);

@@ -110,6 +110,18 @@ inline void scale_row(float f, float* y, int n) {
 #endif
 }
 
+#if KVK_AVX2
+// The 4-bit codes of channels [c, c + 8) of a packed row (two a byte, low nibble first) as 8
+// integers: one 4-byte load, never past the row (c + 8 <= the row's channels).
+inline __m256i nibbles8(const uint8_t* row, int64_t c) {
+  uint32_t w;
+  std::memcpy(&w, row + c / 2, 4);
+  const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                      _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  return _mm256_and_si256(v, _mm256_set1_epi32(15));
+}
+#endif
+
 // y[0:n] *= x[0:n]
 inline void mul_rows(const float* x, float* y, int n) {
   int i = 0;

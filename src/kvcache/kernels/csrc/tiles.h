@@ -41,13 +41,7 @@ struct Int8Rows {  // int8 codes, used as they are: the caller applies each row'
 struct Nibble4Rows {  // 4-bit codes, two a byte, low nibble first: the caller applies the
   using T = uint8_t;   // groups' scales to the weights and adds the weighted minimums
 #if KVK_AVX2
-  static __m256 load8(const T* row, int c) {
-    uint32_t w;
-    std::memcpy(&w, row + c / 2, 4);  // channels c .. c + 7, never past the row
-    const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w),
-                                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-  }
+  static __m256 load8(const T* row, int c) { return _mm256_cvtepi32_ps(nibbles8(row, c)); }
 #endif
   static float at(const T* row, int c) { return (float)((row[c / 2] >> (4 * (c % 2))) & 15); }
 };
