@@ -325,6 +325,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for key in ("batches", "contexts", "long", "history", "steps"):
+        value = getattr(args, key)
+        if min(value if isinstance(value, list) else [value]) < 1:
+            parser.error(f"--{key} must be positive, got {value}")
+    if args.warm < 0:
+        parser.error(f"--warm must be >= 0, got {args.warm}")
     if args.max_batch <= max(args.batches):
         parser.error(f"--max-batch {args.max_batch} must exceed the largest batch")
     return args

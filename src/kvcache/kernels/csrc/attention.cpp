@@ -46,23 +46,68 @@ struct Scratch {
   std::vector<float> q, m, l, acc, accr, sc, ktile, vtile;
   std::vector<const float*> krows, vrows;
   std::vector<const int8_t*> kcodes, vcodes;  // int8 tiles read from the codes
-  std::vector<const uint8_t*> vnib;           // 4-bit value rows read from the codes
-  std::vector<float> kscale, vscale, vlow, pw;
+  std::vector<const uint8_t*> knib, vnib;     // 4-bit rows read from the codes
+  std::vector<float> kscale, klow, vscale, vlow, pw, part, dots;
+  std::vector<float> qsum;  // [H * R, groups]: the scaled query's sums over key channel groups
   std::vector<uint8_t> kdom, vdom;
   std::vector<int> ja, jb;
   float sink = 0.f;  // keeps touch()'s loads
 };
 
-// How a tile's values are read when not decoded into a tile first (see attend_item).
+// How a tile's keys or values are read when not decoded into a tile first (see attend_item).
 enum class Direct { NONE, INT8, AFFINE4 };
+
+// 4-bit affine codes read as they are: groups of a multiple of `step` channels
+bool affine4_direct(const Reader& r, int64_t step) {
+  return r.kind == AFFINE_ROWS && r.bits == 4 && (r.D / r.scale_head) % step == 0;
+}
+
+Direct direct_keys(const Reader& kr, const int32_t* cells, int n) {
+  if (!KVK_AVX2 || kr.pre_rope) return Direct::NONE;
+  if (kr.kind == INT8) return all_codes(kr, cells, n) ? Direct::INT8 : Direct::NONE;
+  if (affine4_direct(kr, 8) && all_codes(kr, cells, n)) return Direct::AFFINE4;
+  return Direct::NONE;
+}
 
 Direct direct_values(const Reader& vr, const int32_t* cells, int n) {
   if (!KVK_AVX2 || vr.rotated) return Direct::NONE;
   if (vr.kind == INT8) return all_codes(vr, cells, n) ? Direct::INT8 : Direct::NONE;
-  if (vr.kind == AFFINE_ROWS && vr.bits == 4 && vr.meta_a == nullptr &&
-      (vr.D / vr.scale_head) % 16 == 0 && all_codes(vr, cells, n))
+  if (affine4_direct(vr, 16) && vr.meta_a == nullptr && all_codes(vr, cells, n))
     return Direct::AFFINE4;
   return Direct::NONE;
+}
+
+// Scores of head h from 4-bit affine key codes (k = code * scale + low per group of channels,
+// plus the sequence's key centre): per group, the dots with the codes times the cells' scales,
+// plus the cells' minimums times the query's sum over the group; then the centre's dot.
+void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int b, int64_t ne,
+                  int64_t G, int64_t D, Scratch& w) {
+  affine4_rows(kr, h, cells, a, b, w.knib.data(), w.kscale.data(), w.klow.data());
+  const int64_t groups = kr.scale_head, width = D / groups;
+  for (int64_t e = 0; e < ne; ++e) {
+    const int ja = w.ja[e], jb = w.jb[e];
+    if (ja >= jb) continue;
+    const float* q0 = w.q.data() + (h * ne + e) * G * D;
+    float* sc0 = w.sc.data() + e * G * BLK;
+    for (int64_t gr = 0; gr < groups; ++gr) {
+      float* dst = gr == 0 ? sc0 : w.part.data();
+      qk_rows<Nibble4Rows>(q0, (int)G, w.knib.data(), ja, jb, (int)D, dst, (int)(gr * width),
+                           (int)((gr + 1) * width));
+      const float* s = w.kscale.data() + gr * BLK;
+      const float* lo = w.klow.data() + gr * BLK;
+      for (int64_t g = 0; g < G; ++g) {
+        const float qs = w.qsum[((h * ne + e) * G + g) * groups + gr];
+        float* sc = sc0 + g * BLK;
+        const float* pt = dst + g * BLK;
+        if (gr == 0)
+          for (int j = ja; j < jb; ++j) sc[j] = pt[j] * s[j] + lo[j] * qs;
+        else
+          for (int j = ja; j < jb; ++j) sc[j] += pt[j] * s[j] + lo[j] * qs;
+      }
+    }
+    if (kr.meta_a != nullptr)
+      add_centre_scores(kr, h, cells, ja, jb, q0, (int)G, w.dots.data(), sc0);
+  }
 }
 
 // Values of head h from 4-bit affine codes (x = code * scale + low per group of channels):
@@ -79,12 +124,9 @@ void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, in
     float* acc = w.acc.data() + (h * ne + e) * G * Dv;
     for (int64_t gr = 0; gr < groups; ++gr) {
       for (int64_t g = 0; g < G; ++g) {
-        float* pw = w.pw.data() + g * BLK;
-        float bias = 0.f;
-        for (int j = ja; j < jb; ++j) {
-          pw[j] = p0[g * BLK + j] * w.vscale[j * groups + gr];
-          bias += p0[g * BLK + j] * w.vlow[j * groups + gr];
-        }
+        const float bias =
+            scaled_weights(p0 + g * BLK + ja, w.vscale.data() + gr * BLK + ja,
+                           w.vlow.data() + gr * BLK + ja, w.pw.data() + g * BLK + ja, jb - ja);
         add_const(bias, acc + g * Dv + gr * width, (int)width);
       }
       pv_rows<Nibble4Rows>(w.pw.data(), (int)G, w.vnib.data(), ja, jb, (int)Dv, acc,
@@ -112,6 +154,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
   if (vr.rotated) w.accr.assign(H * R * Dv, 0.f);
   w.sc.resize(R * BLK);
   w.pw.resize(G * BLK);
+  w.part.resize(G * BLK);
+  w.dots.resize(G);
   w.ja.resize(ne);
   w.jb.resize(ne);
   for (int64_t h = 0; h < H; ++h) {
@@ -123,6 +167,16 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         for (int64_t i = 0; i < D; ++i) dst[i] = src[i] * scale;
       }
     }
+  }
+  if (affine4_direct(kr, 8)) {  // the minimums' part of 4-bit key scores
+    const int64_t groups = kr.scale_head, width = D / groups;
+    w.qsum.resize(H * R * groups);
+    for (int64_t r = 0; r < H * R; ++r)
+      for (int64_t gr = 0; gr < groups; ++gr) {
+        float qs = 0.f;
+        for (int64_t i = gr * width; i < (gr + 1) * width; ++i) qs += w.q[r * D + i];
+        w.qsum[r * groups + gr] = qs;
+      }
   }
   for (int64_t b0 = c0; b0 < c1; b0 += BLK) {
     const int n = (int)std::min<int64_t>(BLK, c1 - b0);
@@ -145,15 +199,16 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
     if (a >= b) continue;
     w.sink += touch(kr, cells + a, b - a) + touch(vr, cells + a, b - a);
     // Rows read straight from the codes when none of the tile's rows is in an fp16 window:
-    // int8 keys after RoPE (scores times the key scales), int8 values (weights times the
-    // value scales), 4-bit affine values (weights times each group's scale, plus the
-    // weighted sum of the group minimums)
-    const bool k8 =
-        KVK_AVX2 && kr.kind == INT8 && !kr.pre_rope && all_codes(kr, cells + a, b - a);
+    // int8 keys after RoPE (scores times the key scales), 4-bit affine keys after RoPE
+    // (affine4_keys), int8 values (weights times the value scales), 4-bit affine values
+    // (weights times each group's scale, plus the weighted sum of the group minimums)
+    const Direct kd = direct_keys(kr, cells + a, b - a);
     const Direct vd = direct_values(vr, cells + a, b - a);
     for (int64_t h = 0; h < H; ++h) {
-      if (k8)
+      if (kd == Direct::INT8)
         int8_rows(kr, h, cells, a, b, w.kcodes.data(), w.kscale.data());
+      else if (kd == Direct::AFFINE4)
+        affine4_keys(kr, h, cells, a, b, ne, G, D, w);
       else
         decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
       for (int64_t e = 0; e < ne; ++e) {
@@ -161,11 +216,11 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         if (ja >= jb) continue;
         const int64_t r0 = (h * ne + e) * G;
         float* sc0 = w.sc.data() + e * G * BLK;
-        if (k8) {
+        if (kd == Direct::INT8) {
           qk_rows<Int8Rows>(w.q.data() + r0 * D, (int)G, w.kcodes.data(), ja, jb, (int)D, sc0);
           for (int64_t g = 0; g < G; ++g)
             mul_rows(w.kscale.data() + ja, sc0 + g * BLK + ja, jb - ja);
-        } else {
+        } else if (kd == Direct::NONE) {
           qk_rows(w.q.data() + r0 * D, (int)G, w.krows.data(), ja, jb, (int)D, sc0);
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -342,9 +397,11 @@ void run(const Pass& p, const Partials& part) {
     w.vrows.resize(BLK);
     w.kcodes.resize(BLK);
     w.vcodes.resize(BLK);
+    w.knib.resize(BLK);
     w.vnib.resize(BLK);
-    w.kscale.resize(BLK);
-    w.vscale.resize(BLK * p.D);  // [BLK, groups] for 4-bit values (groups <= D)
+    w.kscale.resize(BLK * p.D);  // [groups, BLK] for 4-bit rows (groups <= D)
+    w.klow.resize(BLK * p.D);
+    w.vscale.resize(BLK * p.D);
     w.vlow.resize(BLK * p.D);
     w.kdom.resize(BLK);
     w.vdom.resize(BLK);

@@ -5,6 +5,8 @@
 // them (a sequence's cells, read in position order, change record once per group).
 #include "readers.h"
 
+#include "tiles.h"
+
 #include <cmath>
 
 namespace kvk {
@@ -398,8 +400,7 @@ void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
 
 void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                   const uint8_t** rows, float* scale, float* low) {
-  TORCH_CHECK(r.kind == AFFINE_ROWS && r.bits == 4 && r.meta_a == nullptr,
-              "kvcache kernel: affine4_rows of another codec");
+  TORCH_CHECK(r.kind == AFFINE_ROWS && r.bits == 4, "kvcache kernel: affine4_rows of another codec");
   const int64_t groups = r.scale_head;
   for (int j = a; j < b; ++j) {
     const int64_t c = cells[j];
@@ -407,9 +408,23 @@ void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b
     const uint16_t* sp = r.scale + (c * r.H + h) * groups;
     const uint16_t* lp = r.low + (c * r.H + h) * groups;
     for (int64_t g = 0; g < groups; ++g) {
-      scale[j * groups + g] = half_to_float(sp[g]);
-      low[j * groups + g] = half_to_float(lp[g]);
+      scale[g * BLK + j] = half_to_float(sp[g]);
+      low[g * BLK + j] = half_to_float(lp[g]);
     }
+  }
+}
+
+void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
+                       const float* q, int rows, float* dots, float* sc) {
+  Record centre;
+  for (int j = a, k; j < b; j = k) {  // runs of cells sharing a record
+    const int32_t m = r.meta_of[cells[j]];
+    for (k = j + 1; k < b && r.meta_of[cells[k]] == m;) ++k;
+    if (m != centre.meta) {
+      centre.load(r, cells[j], h, r.meta_a, nullptr);
+      for (int g = 0; g < rows; ++g) dots[g] = dot(q + (int64_t)g * r.D, centre.a, (int)r.D);
+    }
+    for (int g = 0; g < rows; ++g) add_const(dots[g], sc + g * BLK + j, k - j);
   }
 }
 

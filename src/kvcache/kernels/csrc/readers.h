@@ -75,11 +75,18 @@ bool all_codes(const Reader& r, const int32_t* cells, int n);
 void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                const int8_t** rows, float* scales);
 
-// 4-bit affine readers (codes in groups of D / groups channels, no key centre): rows[j] -> the
-// packed codes of head h of cells[j], scale[j * groups + g] and low[...] its groups' scale and
-// minimum (x = code * scale + low), for j in [a, b) (cells all in the codes).
+// 4-bit affine readers (codes in groups of D / groups channels): rows[j] -> the packed codes of
+// head h of cells[j], scale[g * BLK + j] and low[g * BLK + j] its group g's scale and minimum
+// (x = code * scale + low, plus the sequence's key centre when the codec has one: see
+// add_centre_scores), for j in [a, b) (cells all in the codes).
 void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                   const uint8_t** rows, float* scale, float* low);
+
+// sc[g * BLK + j] += <q[g], centre of cells[j]> for g < rows, j in [a, b): the key-centre part
+// of scores read from centred codes. A record's dots are computed once while consecutive cells
+// share it (dots: rows floats of scratch).
+void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
+                       const float* q, int rows, float* dots, float* sc);
 
 // Load the code rows [H, *] of cells[0:n] (the tile about to be computed) in one tight pass,
 // every line once, and return a value that depends on them (so the loads are kept). A tile's

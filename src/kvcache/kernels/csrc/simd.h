@@ -132,6 +132,28 @@ inline void mul_rows(const float* x, float* y, int n) {
   for (; i < n; ++i) y[i] *= x[i];
 }
 
+// w[0:n] = p[0:n] * s[0:n]; returns sum(p[0:n] * lo[0:n])
+inline float scaled_weights(const float* p, const float* s, const float* lo, float* w, int n) {
+  int i = 0;
+  float sum = 0.f;
+#if KVK_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 pv = _mm256_loadu_ps(p + i);
+    _mm256_storeu_ps(w + i, _mm256_mul_ps(pv, _mm256_loadu_ps(s + i)));
+    acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(lo + i), acc);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+  for (; i < n; ++i) {
+    w[i] = p[i] * s[i];
+    sum += p[i] * lo[i];
+  }
+  return sum;
+}
+
 // y[0:n] += b
 inline void add_const(float b, float* y, int n) {
   int i = 0;

@@ -21,8 +21,10 @@ inline float hsum8(__m256 v) {
 #endif
 
 // Row kinds the tile math reads: 8 channels from c of a row as floats, in registers.
+// consts: vector registers load8 keeps busy with constants (fewer left for accumulators).
 struct FloatRows {  // float32 rows (storage or a decoded tile)
   using T = float;
+  static constexpr int consts = 0;
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) { return _mm256_loadu_ps(row + c); }
 #endif
@@ -30,6 +32,7 @@ struct FloatRows {  // float32 rows (storage or a decoded tile)
 };
 struct Int8Rows {  // int8 codes, used as they are: the caller applies each row's scale
   using T = int8_t;
+  static constexpr int consts = 0;
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + c))));
@@ -40,6 +43,7 @@ struct Int8Rows {  // int8 codes, used as they are: the caller applies each row'
 
 struct Nibble4Rows {  // 4-bit codes, two a byte, low nibble first: the caller applies the
   using T = uint8_t;   // groups' scales to the weights and adds the weighted minimums
+  static constexpr int consts = 2;  // the shifts and the mask
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) { return _mm256_cvtepi32_ps(nibbles8(row, c)); }
 #endif
@@ -48,11 +52,12 @@ struct Nibble4Rows {  // 4-bit codes, two a byte, low nibble first: the caller a
 
 #if KVK_AVX2
 template <int NR, int NC, typename R>
-inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D, float* sc) {
+inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
+                     float* sc) {
   __m256 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < NC; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int c = 0; c < D; c += 8) {
+  for (int c = c0; c < c1; c += 8) {
     __m256 kv[NC];
     for (int i = 0; i < NC; ++i) kv[i] = R::load8(k[j + i], c);
     for (int r = 0; r < NR; ++r) {
@@ -67,11 +72,12 @@ inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D
 // Scores of NR <= 3 rows against 4 cells: the query rows stay in registers, each key row is
 // loaded once, and each row's 4 sums are reduced together (3 hadds, not 4 horizontal sums).
 template <int NR, typename R>
-inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int D, float* sc) {
+inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
+                      float* sc) {
   __m256 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int c = 0; c < D; c += 8) {
+  for (int c = c0; c < c1; c += 8) {
     __m256 qv[NR];
     for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q + r * D + c);
     for (int i = 0; i < 4; ++i) {
@@ -88,23 +94,23 @@ inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int 
 }
 #endif
 
-// sc[r * BLK + j] = <q[r], k[j]> for r < NR, j in [ja, jb)
+// sc[r * BLK + j] = <q[r], k[j]> over channels [c0, c1) for r < NR, j in [ja, jb)
 template <int NR, typename R>
 inline void qk_tile(const float* q, const typename R::T* const* k, int ja, int jb, int D,
-                    float* sc) {
+                    int c0, int c1, float* sc) {
   int j = ja;
 #if KVK_AVX2
   if constexpr (NR <= 3) {
-    for (; j + 4 <= jb; j += 4) qk_cells4<NR, R>(q, k, j, D, sc);
+    for (; j + 4 <= jb; j += 4) qk_cells4<NR, R>(q, k, j, D, c0, c1, sc);
   } else {
-    for (; j + 2 <= jb; j += 2) qk_cells<NR, 2, R>(q, k, j, D, sc);
+    for (; j + 2 <= jb; j += 2) qk_cells<NR, 2, R>(q, k, j, D, c0, c1, sc);
   }
-  for (; j < jb; ++j) qk_cells<NR, 1, R>(q, k, j, D, sc);
+  for (; j < jb; ++j) qk_cells<NR, 1, R>(q, k, j, D, c0, c1, sc);
 #else
   for (; j < jb; ++j)
     for (int r = 0; r < NR; ++r) {
       float s = 0.f;
-      for (int c = 0; c < D; ++c) s += q[r * D + c] * R::at(k[j], c);
+      for (int c = c0; c < c1; ++c) s += q[r * D + c] * R::at(k[j], c);
       sc[r * BLK + j] = s;
     }
 #endif
@@ -138,7 +144,9 @@ template <int NR, typename R>
 inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int jb, int D,
                     int c0, int c1, float* acc) {
 #if KVK_AVX2
-  constexpr int NV = NR <= 3 ? 4 : 2;  // 12 (8) accumulators: 16 registers with the rest
+  // 12 (8) accumulators: 16 registers with the rest; 6 when load8 holds constants (measured:
+  // 12 spilled to the stack, and the store-reload chain cost 4-bit values ~15 % of a call)
+  constexpr int NV = NR <= 3 && R::consts == 0 ? 4 : 2;
   int c = c0;
   for (; c + 8 * NV <= c1; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc);
   for (; c < c1; c += 16) pv_cols<NR, 2, R>(p, v, ja, jb, D, c, acc);
@@ -149,18 +157,20 @@ inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int j
 #endif
 }
 
-// The same for any number of rows: blocks of up to 4.
+// The same for any number of rows: blocks of up to 4. Channels [c0, c1) (the whole row unless
+// given; multiples of 8).
 template <typename R = FloatRows>
 inline void qk_rows(const float* q, int rows, const typename R::T* const* k, int ja, int jb,
-                    int D, float* sc) {
+                    int D, float* sc, int c0 = 0, int c1 = -1) {
+  if (c1 < 0) c1 = D;
   for (int r = 0; r < rows; r += 4) {
     const float* qr = q + r * D;
     float* s = sc + r * BLK;
     switch (rows - r < 4 ? rows - r : 4) {
-      case 1: qk_tile<1, R>(qr, k, ja, jb, D, s); break;
-      case 2: qk_tile<2, R>(qr, k, ja, jb, D, s); break;
-      case 3: qk_tile<3, R>(qr, k, ja, jb, D, s); break;
-      default: qk_tile<4, R>(qr, k, ja, jb, D, s); break;
+      case 1: qk_tile<1, R>(qr, k, ja, jb, D, c0, c1, s); break;
+      case 2: qk_tile<2, R>(qr, k, ja, jb, D, c0, c1, s); break;
+      case 3: qk_tile<3, R>(qr, k, ja, jb, D, c0, c1, s); break;
+      default: qk_tile<4, R>(qr, k, ja, jb, D, c0, c1, s); break;
     }
   }
 }
