@@ -47,6 +47,7 @@ struct Scratch {
   std::vector<const float*> krows, vrows;
   std::vector<const int8_t*> kcodes, vcodes;  // int8 tiles read from the codes
   std::vector<const uint8_t*> knib, vnib;     // 4-bit rows read from the codes
+  std::vector<const uint16_t*> khalf, vhalf;  // fp16 rows (window or fp16 storage)
   std::vector<float> kscale, klow, vscale, vlow, pw, part, dots;
   std::vector<float> qsum;  // [H * R, groups]: the scaled query's sums over key channel groups
   std::vector<uint8_t> kdom, vdom;
@@ -55,7 +56,7 @@ struct Scratch {
 };
 
 // How a tile's keys or values are read when not decoded into a tile first (see attend_item).
-enum class Direct { NONE, INT8, AFFINE4 };
+enum class Direct { NONE, INT8, AFFINE4, HALF };
 
 // 4-bit affine codes read as they are: groups of a multiple of `step` channels
 bool affine4_direct(const Reader& r, int64_t step) {
@@ -64,13 +65,16 @@ bool affine4_direct(const Reader& r, int64_t step) {
 
 Direct direct_keys(const Reader& kr, const int32_t* cells, int n) {
   if (!KVK_AVX2 || kr.pre_rope) return Direct::NONE;
+  if (all_half(kr, cells, n)) return Direct::HALF;
   if (kr.kind == INT8) return all_codes(kr, cells, n) ? Direct::INT8 : Direct::NONE;
   if (affine4_direct(kr, 8) && all_codes(kr, cells, n)) return Direct::AFFINE4;
   return Direct::NONE;
 }
 
 Direct direct_values(const Reader& vr, const int32_t* cells, int n) {
-  if (!KVK_AVX2 || vr.rotated) return Direct::NONE;
+  if (!KVK_AVX2) return Direct::NONE;
+  if (all_half(vr, cells, n)) return Direct::HALF;  // window rows are never rotated
+  if (vr.rotated) return Direct::NONE;
   if (vr.kind == INT8) return all_codes(vr, cells, n) ? Direct::INT8 : Direct::NONE;
   if (affine4_direct(vr, 16) && vr.meta_a == nullptr && all_codes(vr, cells, n))
     return Direct::AFFINE4;
@@ -178,9 +182,11 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         w.qsum[r * groups + gr] = qs;
       }
   }
-  for (int64_t b0 = c0; b0 < c1; b0 += BLK) {
-    const int n = (int)std::min<int64_t>(BLK, c1 - b0);
+  int n = 0;
+  for (int64_t b0 = c0; b0 < c1; b0 += n) {
     const int32_t* cells = plan.cells + b0;
+    n = (int)std::min<int64_t>(BLK, c1 - b0);  // cut where rows change from window to codes
+    n = std::min(uniform_prefix(kr, cells, n), uniform_prefix(vr, cells, n));
     const int32_t* pos = plan.pos + b0;
     int a = n, b = 0;
     for (int64_t e = 0; e < ne; ++e) {  // visible cells of each entry: a run (sorted positions)
@@ -209,6 +215,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         int8_rows(kr, h, cells, a, b, w.kcodes.data(), w.kscale.data());
       else if (kd == Direct::AFFINE4)
         affine4_keys(kr, h, cells, a, b, ne, G, D, w);
+      else if (kd == Direct::HALF)
+        half_rows(kr, h, cells, a, b, w.khalf.data());
       else
         decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
       for (int64_t e = 0; e < ne; ++e) {
@@ -220,6 +228,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
           qk_rows<Int8Rows>(w.q.data() + r0 * D, (int)G, w.kcodes.data(), ja, jb, (int)D, sc0);
           for (int64_t g = 0; g < G; ++g)
             mul_rows(w.kscale.data() + ja, sc0 + g * BLK + ja, jb - ja);
+        } else if (kd == Direct::HALF) {
+          qk_rows<HalfRows>(w.q.data() + r0 * D, (int)G, w.khalf.data(), ja, jb, (int)D, sc0);
         } else if (kd == Direct::NONE) {
           qk_rows(w.q.data() + r0 * D, (int)G, w.krows.data(), ja, jb, (int)D, sc0);
         }
@@ -249,6 +259,14 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
           pv_rows<Int8Rows>(p0, (int)G, w.vcodes.data(), ja, jb, (int)Dv,
                             w.acc.data() + (h * ne + e) * G * Dv);
         }
+        continue;
+      }
+      if (vd == Direct::HALF) {
+        half_rows(vr, h, cells, a, b, w.vhalf.data());
+        for (int64_t e = 0; e < ne; ++e)
+          if (w.ja[e] < w.jb[e])
+            pv_rows<HalfRows>(w.sc.data() + e * G * BLK, (int)G, w.vhalf.data(), w.ja[e], w.jb[e],
+                              (int)Dv, w.acc.data() + (h * ne + e) * G * Dv);
         continue;
       }
       if (vd == Direct::AFFINE4) {
@@ -398,6 +416,8 @@ void run(const Pass& p, const Partials& part) {
     w.kcodes.resize(BLK);
     w.vcodes.resize(BLK);
     w.knib.resize(BLK);
+    w.khalf.resize(BLK);
+    w.vhalf.resize(BLK);
     w.vnib.resize(BLK);
     w.kscale.resize(BLK * p.D);  // [groups, BLK] for 4-bit rows (groups <= D)
     w.klow.resize(BLK * p.D);

@@ -388,6 +388,42 @@ bool all_codes(const Reader& r, const int32_t* cells, int n) {
   return true;
 }
 
+namespace {
+inline bool in_window(const Reader& r, int64_t c) {
+  return r.window != nullptr && c < r.window_len && r.window[c] >= 0;
+}
+}  // namespace
+
+int uniform_prefix(const Reader& r, const int32_t* cells, int n) {
+  if (r.window == nullptr || n == 0) return n;
+  const bool first = in_window(r, cells[0]);
+  int j = 1;
+  while (j < n && in_window(r, cells[j]) == first) ++j;
+  return j;
+}
+
+bool all_half(const Reader& r, const int32_t* cells, int n) {
+  for (int j = 0; j < n; ++j) {
+    const int64_t c = cells[j];
+    if (!in_window(r, c) && !(r.kind == F16 && c < r.rows)) return false;
+  }
+  return true;
+}
+
+void half_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
+               const uint16_t** rows) {
+  for (int j = a; j < b; ++j) {
+    const int64_t c = cells[j];
+    if (in_window(r, c)) {
+      const int32_t slot = r.window[c];
+      if (slot >= r.residual_rows) out_of_range("window slot", slot, r.residual_rows);
+      rows[j] = r.residual + ((int64_t)slot * r.H + h) * r.D;
+    } else {
+      rows[j] = reinterpret_cast<const uint16_t*>(code_row(r, c, h));
+    }
+  }
+}
+
 void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                const int8_t** rows, float* scales) {
   TORCH_CHECK(r.kind == INT8 && r.scale_head == 1, "kvcache kernel: int8_rows of another codec");

@@ -69,6 +69,19 @@ void decode(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos
 // Whether every cell of cells[0:n] has its row in the codes (none in an fp16 window).
 bool all_codes(const Reader& r, const int32_t* cells, int n);
 
+// Length of the longest prefix of cells[0:n] whose rows are all in the fp16 window or all
+// in the codes (n without a window): the kernel cuts tiles there, so that a tile's rows are
+// all read one way.
+int uniform_prefix(const Reader& r, const int32_t* cells, int n);
+
+// Whether every cell of cells[0:n] has an fp16 row: in the recent window, or fp16 storage.
+bool all_half(const Reader& r, const int32_t* cells, int n);
+
+// fp16 readers: rows[j] -> the fp16 row of head h of cells[j] (window or storage), for j in
+// [a, b) (all_half); the tile math converts as it loads: no decoded copy.
+void half_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
+               const uint16_t** rows);
+
 // int8 readers: rows[j] -> the int8 codes of head h of cells[j], scales[j] their row scale,
 // for j in [a, b) (cells all in the codes: all_codes). The tile math reads the codes as they
 // are and applies the scales to scores and weights: no decoded copy.

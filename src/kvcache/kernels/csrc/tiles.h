@@ -41,6 +41,17 @@ struct Int8Rows {  // int8 codes, used as they are: the caller applies each row'
   static float at(const T* row, int c) { return (float)row[c]; }
 };
 
+struct HalfRows {  // fp16 rows (fp16 storage or a recent window), converted as loaded
+  using T = uint16_t;
+  static constexpr int consts = 0;
+#if KVK_AVX2
+  static __m256 load8(const T* row, int c) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + c)));
+  }
+#endif
+  static float at(const T* row, int c) { return half_to_float(row[c]); }
+};
+
 struct Nibble4Rows {  // 4-bit codes, two a byte, low nibble first: the caller applies the
   using T = uint8_t;   // groups' scales to the weights and adds the weighted minimums
   static constexpr int consts = 2;  // the shifts and the mask
