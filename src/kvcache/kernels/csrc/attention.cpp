@@ -8,8 +8,9 @@
 //   row_ptr [T + 1], row_entries [E] the entries of each batch row (CSR)
 // A segment is a run of cells read once for all its entries: one sequence's cells for its
 // rows, or a shared prefix for the rows of every sequence that shares it. Work items are
-// (segment, KV head); each keeps, per entry and query head of the group, a running max, sum
-// and weighted value sum over tiles of BLK cells; a second pass merges a row's entries.
+// segments (every KV head); each keeps, per entry and query head, a running max, sum and
+// weighted value sum over tiles of up to BLK cells (cut where a sequence's rows pass from the
+// codes to its fp16 window); a second pass merges a row's entries.
 //
 //   q [T, Hq, D] float32 (query head hq reads KV head hq / G)   ->   out [T, Hq, Dv] float32
 #include <ATen/Parallel.h>
