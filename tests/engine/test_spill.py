@@ -61,7 +61,8 @@ def test_spilled_requests_complete_as_with_room_for_all(
     ps = prompts(4)
     spill = "memory" if tier == "memory" else f"disk:{tmp_path / 'spill'}"
     engine = Engine(history_model, config=tight(codec, spill=spill))
-    got = [r.generated for r in run(engine, ps)]
+    reqs = run(engine, ps)
+    got = [r.generated for r in reqs]
     want = [r.generated for r in run(Engine(history_model, config=roomy(codec)), ps)]
     assert got == want
     if codec is None and tier == "memory":
@@ -69,6 +70,7 @@ def test_spilled_requests_complete_as_with_room_for_all(
     s = engine.stats
     # (a preempted request that held no cells yet has nothing to spill)
     assert s.spills > 0 and s.restores == s.spills and s.preemptions >= s.spills
+    assert sum(r.preemptions for r in reqs) == s.preemptions  # each request's own count
     # restored, not recomputed: every token ran through the model once
     assert s.computed_tokens == sum(len(p) + STEPS - 1 for p in ps)
     assert engine.metrics()["spills_total"] == s.spills > 0

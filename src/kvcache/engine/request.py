@@ -61,6 +61,7 @@ class Request:
         self.cached_tokens: int | None = None  # prompt tokens reused when first started
         self.computed = 0  # tokens this request ran through the model
         self.parked: object | None = None  # what a preemption kept of its cells (if anything)
+        self.preemptions = 0  # times preempted for room (spilled or recomputed)
         self.rng = None if params.sampling.greedy else params.sampling.generator(seed_offset)
         self.decoder = IncrementalDecoder(tokenizer.decode) if tokenizer else None
         self.stop_ids = tokenizer.stop_ids if tokenizer else frozenset()

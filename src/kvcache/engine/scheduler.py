@@ -351,6 +351,7 @@ class Engine:
         self.running.remove(victim)
         victim.seq, victim.fed, victim.awaits = -1, 0, None
         self.waiting.appendleft(victim)
+        victim.preemptions += 1
         self.stats.preemptions += 1
 
     def _advance(self, plan: _Plan, logits: torch.Tensor, events: list[Event]) -> int:

@@ -150,6 +150,11 @@ class Submission:
         cached = self.request.cached_tokens or 0
         return usage(self.prompt_tokens, len(self.request.generated), cached)
 
+    def report(self) -> dict[str, Any]:
+        """kvcache's counts beside OpenAI's usage (the ``kvcache`` field of the response or
+        the usage chunk): how often the request was preempted for room."""
+        return {"preemptions": self.request.preemptions}
+
 
 def _drain(events: queue.SimpleQueue[Event]) -> list[Event]:
     out = []
@@ -246,7 +251,7 @@ async def _stream(sub: Submission, reply: Reply, include_usage: bool) -> AsyncIt
         yield _sse(e.body())
         return
     if include_usage:
-        yield _sse(reply.usage_chunk(sub.usage()))
+        yield _sse({**reply.usage_chunk(sub.usage()), "kvcache": sub.report()})
     yield _sse("[DONE]")
 
 
@@ -303,7 +308,7 @@ async def _respond(
         return Response(status_code=499)  # nobody is listening any more
     text, last = result
     finish = _finish_reason(last)
-    return JSONResponse(reply.full(text, finish, sub.usage()))
+    return JSONResponse({**reply.full(text, finish, sub.usage()), "kvcache": sub.report()})
 
 
 # ---- errors --------------------------------------------------------------------------

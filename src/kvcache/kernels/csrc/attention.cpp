@@ -205,10 +205,11 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
     }
     if (a >= b) continue;
     w.sink += touch(kr, cells + a, b - a) + touch(vr, cells + a, b - a);
-    // Rows read straight from the codes when none of the tile's rows is in an fp16 window:
-    // int8 keys after RoPE (scores times the key scales), 4-bit affine keys after RoPE
-    // (affine4_keys), int8 values (weights times the value scales), 4-bit affine values
-    // (weights times each group's scale, plus the weighted sum of the group minimums)
+    // Rows read as stored, without a decoded tile: fp16 rows (fp16 storage or the recent
+    // window; converted as loaded), and when every row of the tile is in the codes: int8 keys
+    // after RoPE (scores times the key scales), 4-bit affine keys after RoPE (affine4_keys),
+    // int8 values (weights times the value scales), 4-bit affine values (weights times each
+    // group's scale, plus the weighted sum of the group minimums)
     const Direct kd = direct_keys(kr, cells + a, b - a);
     const Direct vd = direct_values(vr, cells + a, b - a);
     for (int64_t h = 0; h < H; ++h) {

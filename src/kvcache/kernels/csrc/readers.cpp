@@ -53,7 +53,7 @@ struct Record {
   // record of cell c (head h) from tables a (and b): float rows, converted on a change
   void load(const Reader& r, int64_t c, int64_t h, const uint16_t* ta, const uint16_t* tb) {
     const int32_t m = r.meta_of[c];
-    if (m == meta) return;
+    if (m == meta && m >= 0) return;  // (a cell without a record fails below, never reuses)
     TORCH_CHECK(m >= 0 && m < r.meta_rows, "kvcache kernel: cell ", c, " has no metadata (", m,
                 ")");
     half_row(ta + (m * r.H + h) * r.D, a, (int)r.D);
@@ -456,7 +456,7 @@ void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, 
   for (int j = a, k; j < b; j = k) {  // runs of cells sharing a record
     const int32_t m = r.meta_of[cells[j]];
     for (k = j + 1; k < b && r.meta_of[cells[k]] == m;) ++k;
-    if (m != centre.meta) {
+    if (m != centre.meta || m < 0) {  // load fails on a cell without a record
       centre.load(r, cells[j], h, r.meta_a, nullptr);
       for (int g = 0; g < rows; ++g) dots[g] = dot(q + (int64_t)g * r.D, centre.a, (int)r.D);
     }
