@@ -379,6 +379,13 @@ void turbo_unrotate(const float* signs, float* y, int64_t P) {
   for (int64_t i = 0; i < P; ++i) y[i] *= norm * signs[i];
 }
 
+namespace {
+// whether cell c's row is in the fp16 window
+inline bool in_window(const Reader& r, int64_t c) {
+  return r.window != nullptr && c < r.window_len && r.window[c] >= 0;
+}
+}  // namespace
+
 bool all_codes(const Reader& r, const int32_t* cells, int n) {
   for (int j = 0; j < n; ++j) {
     const int64_t c = cells[j];
@@ -387,12 +394,6 @@ bool all_codes(const Reader& r, const int32_t* cells, int n) {
   }
   return true;
 }
-
-namespace {
-inline bool in_window(const Reader& r, int64_t c) {
-  return r.window != nullptr && c < r.window_len && r.window[c] >= 0;
-}
-}  // namespace
 
 int uniform_prefix(const Reader& r, const int32_t* cells, int n) {
   if (r.window == nullptr || n == 0) return n;
@@ -468,7 +469,7 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 #if KVK_AVX2
   __m256 any = _mm256_setzero_ps();
   for (int j = 0; j < n; ++j) {
-    if (cells[j] >= r.rows) continue;  // a window row: no codes to fetch
+    if (cells[j] >= r.rows || in_window(r, cells[j])) continue;  // a window row: no codes
     const float* row = reinterpret_cast<const float*>(r.data + cells[j] * r.data_cell);
     const int64_t words = r.data_cell / 4;
     int64_t i = 0;

@@ -69,6 +69,16 @@ inline void bf16_row(const uint16_t* src, float* dst, int n) {
 #endif
 }
 
+#if KVK_AVX2
+// the sum of a register's 8 floats
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 inline float dot(const float* a, const float* b, int n) {
 #if KVK_AVX2
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
@@ -78,11 +88,7 @@ inline float dot(const float* a, const float* b, int n) {
     s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
   }
   for (; i < n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-  s0 = _mm256_add_ps(s0, s1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
+  return hsum8(_mm256_add_ps(s0, s1));
 #else
   float s = 0.f;
   for (int i = 0; i < n; ++i) s += a[i] * b[i];
@@ -143,9 +149,7 @@ inline float scaled_weights(const float* p, const float* s, const float* lo, flo
     _mm256_storeu_ps(w + i, _mm256_mul_ps(pv, _mm256_loadu_ps(s + i)));
     acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(lo + i), acc);
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  sum = hsum8(acc);
 #endif
   for (; i < n; ++i) {
     w[i] = p[i] * s[i];
@@ -214,10 +218,7 @@ inline float exp_shift_sum(float* x, int n, float m) {
     _mm256_storeu_ps(x + i, e);
     acc = _mm256_add_ps(acc, e);
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  sum = _mm_cvtss_f32(h);
+  sum = hsum8(acc);
 #endif
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - m);

@@ -11,15 +11,6 @@ namespace kvk {
 
 constexpr int BLK = 64;  // cells per tile
 
-#if KVK_AVX2
-inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-#endif
-
 // Row kinds the tile math reads: 8 channels from c of a row as floats, in registers.
 // consts: vector registers load8 keeps busy with constants (fewer left for accumulators).
 struct FloatRows {  // float32 rows (storage or a decoded tile)
