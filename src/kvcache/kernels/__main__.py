@@ -1,4 +1,4 @@
-"""``python -m kvcache.kernels``: build the C++ attention kernels now (scripts/setup.sh does)."""
+"""``python -m kvcache.kernels``: build the C++ kernels now (scripts/setup.sh does)."""
 
 from kvcache.kernels.build import extension
 

@@ -1,4 +1,5 @@
-"""Build and load the C++ attention kernels (``csrc/``) with torch's extension builder.
+"""Build and load the C++ kernels (``csrc/``: attention, decode-sized linear layers) with
+torch's extension builder.
 
 The extension is compiled once per machine (``-O3 -march=native``: AVX2/FMA/F16C where the
 CPU has them, plain loops otherwise) into ``$KVCACHE_KERNEL_DIR`` (default
@@ -30,7 +31,7 @@ import torch
 
 from kvcache.errors import NotSupportedError
 
-SOURCES = ("attention.cpp", "readers.cpp")
+SOURCES = ("attention.cpp", "linear.cpp", "readers.cpp")
 HEADERS = ("readers.h", "simd.h", "tiles.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 
@@ -79,7 +80,7 @@ def extension() -> ModuleType:
             )
     except (RuntimeError, OSError, ImportError) as e:
         raise NotSupportedError(
-            f"the kvcache attention kernels did not build in {where} ({e}); they need g++ "
+            f"the kvcache kernels did not build in {where} ({e}); they need g++ "
             "and ninja (bash scripts/setup.sh installs them)"
         ) from e
 

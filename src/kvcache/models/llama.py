@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
+from kvcache.kernels.linear import add_linear, linear
 from kvcache.kernels.reference import grouped_attention
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
@@ -297,7 +298,8 @@ class Llama:
         sin: torch.Tensor,
         cache: Cache,
     ) -> torch.Tensor:
-        """One decoder block through the cache: attention then MLP, residuals fused in addmm."""
+        """One decoder block through the cache: attention then MLP (``kernels.linear`` for
+        decode-sized steps, residuals fused in addmm for prompts)."""
         c = self.config
         q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, c.rms_eps), cos, sin)
         attention = getattr(cache, "attention", None)
@@ -307,8 +309,8 @@ class Llama:
                 "causal cache (CausalCache, or a WrapperCache routing to one)"
             )
         out = attention(index, q, k, v)  # [T, Hq, D]
-        x = torch.addmm(x, out.reshape(x.shape[0], -1), layer.wo.t())  # x: [T, E]
-        return torch.addmm(x, self._swiglu(layer, x), layer.w_down.t())
+        x = add_linear(x, out.reshape(x.shape[0], -1), layer.wo)  # x: [T, E]
+        return add_linear(x, self._swiglu(layer, x), layer.w_down)
 
     def _qkv(
         self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -316,7 +318,7 @@ class Llama:
         """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``; q and k rotated in one RoPE call."""
         c = self.config
         t = h.shape[0]
-        qkv = F.linear(h, layer.wqkv)  # qkv: [T, (Hq + 2 Hkv) D]
+        qkv = linear(h, layer.wqkv)  # qkv: [T, (Hq + 2 Hkv) D]
         n_qk = c.num_heads + c.num_kv_heads
         qk = self.rope.rotate(qkv[:, : n_qk * c.head_dim].view(t, n_qk, c.head_dim), cos, sin)
         v = qkv[:, n_qk * c.head_dim :].view(t, c.num_kv_heads, c.head_dim)
@@ -325,12 +327,12 @@ class Llama:
     def _swiglu(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         """The MLP's hidden activation ``[T, F]`` of the normed residual (before w_down)."""
         c = self.config
-        gate_up = F.linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up)  # [T, 2F]
+        gate_up = linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up)  # [T, 2F]
         return F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: logits ``[T, V]``."""
-        return F.linear(rms_norm(x, self.weights.norm, self.config.rms_eps), self.weights.lm_head)
+        return linear(rms_norm(x, self.weights.norm, self.config.rms_eps), self.weights.lm_head)
 
     def _token_ids(
         self, tokens: torch.Tensor | Sequence[int], expected: int | None

@@ -25,6 +25,7 @@ from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.encoder import EncoderCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
+from kvcache.kernels.linear import linear
 from kvcache.models.whisper import Whisper
 from kvcache.validate import int_arg
 from kvcache.wrapper import WrapperCache
@@ -215,7 +216,7 @@ def forward_decoder_step(
             x = _decode_layers(model, x, cache, windows)  # [T, n]
             if rows is not None:
                 x = x[rows]  # [R, n]
-            logits = F.linear(model.decoder_ln(x), model.token_emb)  # [T, n_vocab]: one matmul
+            logits = linear(model.decoder_ln(x), model.token_emb)  # [T, n_vocab]: kernels.linear
     except BaseException:
         cache.unwind(batch)
         raise

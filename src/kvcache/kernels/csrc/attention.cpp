@@ -547,6 +547,9 @@ int64_t parallel_threads(int64_t n) {
   return std::unique(ran.begin(), ran.end()) - ran.begin();
 }
 
+// linear.cpp
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+
 }  // namespace kvk
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -554,5 +557,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("partials", &kvk::partials, "attention partial sums over plan segments, from the codes");
   m.def("merge", &kvk::merge, "merge each row's partial sums");
   m.def("gather", &kvk::gather, "decoded rows of cells");
+  m.def("linear_rows", &kvk::linear_rows, "x @ w^T (+ bias) for a few rows of x");
   m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
 }

@@ -1,0 +1,114 @@
+"""kernels.linear: decode-sized linear layers in the C++ kernel, against float64 references.
+
+The kernel must equal ``x @ w.T + b`` computed in float64 (within float32 rounding of a K-long
+sum), give every row the same bits whatever rows share its batch and however many threads run
+it, and hand everything it does not serve to ``F.linear`` unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcache.kernels import linear as L
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Float32 rounding of a K-long sum of products, per output: K * eps * sum |x_k w_k|."""
+    k = x.shape[-1]
+    return k * 2.0**-23 * (x.double().abs() @ w.double().abs().t()) + 1e-30
+
+
+@pytest.mark.parametrize("k", [8, 64, 384, 576])
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 8, 9, 13, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_float64_reference(k: int, n: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    for m in (1, 2, 3, 4, 5, 7, 16, L.MAX_ROWS):
+        x = torch.randn(m, k, generator=g)
+        assert L.served(x, w)
+        got = L.linear(x, w, b)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        err = (got.double() - _reference(x, w, b)).abs()
+        assert (err <= _bound(x, w) + 1e-6).all(), (m, float(err.max()))
+
+
+def test_rows_do_not_depend_on_their_batch() -> None:
+    """A row's output is bit-identical alone, at any place in any batch, on 1 or 2 threads."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(517, 384, generator=g)
+    b = torch.randn(517, generator=g)
+    x = torch.randn(L.MAX_ROWS, 384, generator=g)
+    alone = torch.cat([L.linear(x[i : i + 1], w, b) for i in range(len(x))])
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(L.linear(x, w, b), alone)
+            for m in (2, 3, 5, 11):
+                assert torch.equal(L.linear(x[:m], w, b), alone[:m])
+                assert torch.equal(L.linear(x[-m:].flip(0), w, b), alone[-m:].flip(0))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_leading_dimensions_are_kept() -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 64, generator=g)
+    x = torch.randn(2, 3, 64, generator=g)
+    got = L.linear(x, w)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got.reshape(6, 40), L.linear(x.reshape(6, 64), w))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["many rows", "float64", "k not multiple of 8", "strided weight", "no rows", "grad"],
+)
+def test_what_it_does_not_serve_goes_to_torch(case: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(24, 64, generator=g)
+    if case == "many rows":
+        x = torch.randn(L.MAX_ROWS + 1, 64, generator=g)
+    elif case == "float64":
+        x, w = x.double(), w.double()
+    elif case == "k not multiple of 8":
+        x, w = x[:, :60].contiguous(), w[:, :60].contiguous()
+    elif case == "strided weight":
+        w = torch.randn(64, 24, generator=g).t()
+    elif case == "no rows":
+        x = x[:0]
+    else:
+        w.requires_grad_(True)
+    assert not L.served(x, w)
+    got = L.linear(x, w)
+    assert torch.equal(got, F.linear(x, w))
+    if case == "grad":
+        got.sum().backward()
+        assert w.grad is not None
+
+
+def test_add_linear_adds_the_residual() -> None:
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 96, generator=g)
+    for m in (1, 5, L.MAX_ROWS + 3):  # the kernel and the fused addmm
+        x, r = torch.randn(m, 96, generator=g), torch.randn(m, 48, generator=g)
+        err = (L.add_linear(r, x, w).double() - (r.double() + _reference(x, w, None))).abs()
+        assert (err <= _bound(x, w) + 1e-5).all()
+
+
+def test_bad_bias_is_refused_by_the_kernel() -> None:
+    ext = L.extension()
+    x, w = torch.randn(2, 16), torch.randn(5, 16)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.linear_rows(x, w, torch.randn(4))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ext.linear_rows(x[:, :12].contiguous(), w[:, :12].contiguous(), torch.empty(0))
