@@ -25,6 +25,7 @@ from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.encoder import EncoderCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
+from kvcache.kernels.dense import dense_attention
 from kvcache.kernels.linear import linear
 from kvcache.models.whisper import Whisper
 from kvcache.validate import int_arg
@@ -261,36 +262,7 @@ def _cross_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, windows: list[int], scale: float
 ) -> torch.Tensor:
     """q [T, H, D] over each row's window of keys/values [A, H, S, D] -> [T, H*D]."""
-    t = q.shape[0]
-    if len(set(windows)) == 1:  # one window (greedy, beams of one file): one batched matmul
-        w = windows[0]
-        return (
-            _dense_attention(q.transpose(0, 1), keys[w], values[w], scale)
-            .transpose(0, 1)
-            .reshape(t, -1)
-        )
-    a = keys.shape[0]
-    if t % a == 0 and windows == [w for w in range(a) for _ in range(t // a)]:
-        # every window, the same number of rows each, in window order (files decoded
-        # together, all slots busy): one batched matmul over the windows, no copy of K/V
-        qa = q.view(a, t // a, q.shape[1], q.shape[2]).transpose(1, 2)  # [A, H, r, D]
-        att = torch.matmul(qa, keys.transpose(2, 3)).mul_(scale).softmax(-1)  # [A, H, r, S]
-        return torch.matmul(att, values).transpose(1, 2).reshape(t, -1)  # [T, H*D]
-    out = torch.empty(t, q.shape[1] * q.shape[2], dtype=q.dtype)
-    for w in sorted(set(windows)):  # rows grouped by window: one matmul per window
-        rows = torch.tensor([i for i, x in enumerate(windows) if x == w])
-        qw = q[rows].transpose(0, 1)  # [H, t_w, D]
-        out[rows] = (
-            _dense_attention(qw, keys[w], values[w], scale).transpose(0, 1).reshape(len(rows), -1)
-        )
-    return out
-
-
-def _dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [H, T, D], k/v [H, S, D] -> [H, T, D] with no mask."""
-    return torch.bmm((torch.bmm(q, k.transpose(1, 2)) * scale).softmax(-1), v)
+    return dense_attention(q, keys, values, windows, scale).reshape(q.shape[0], -1)
 
 
 def forward_decoder_cached(

@@ -549,6 +549,9 @@ int64_t parallel_threads(int64_t n) {
 
 // linear.cpp
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+// dense.cpp
+at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& windows, double scale);
 
 }  // namespace kvk
 
@@ -558,5 +561,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge", &kvk::merge, "merge each row's partial sums");
   m.def("gather", &kvk::gather, "decoded rows of cells");
   m.def("linear_rows", &kvk::linear_rows, "x @ w^T (+ bias) for a few rows of x");
+  m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
   m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
 }
