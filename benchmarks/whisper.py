@@ -249,8 +249,34 @@ def wer(reference: str, hypothesis: str) -> float:
     return float(jiwer.wer(norm(reference), norm(hypothesis)))
 
 
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, Any]:
+    """Each of ``fns`` once per round (after one warm-up round), ``repeats`` rounds: the
+    median time of each, the last result of each, and each round's times. Alternating the
+    contenders inside a round keeps a slow phase of a shared machine from landing on one."""
+    out = {name: fn() for name, fn in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            out[name] = fn()
+            times[name].append(time.perf_counter() - t)
+    time.sleep(PAUSE_S)
+    return {
+        "median": {name: statistics.median(ts) for name, ts in times.items()},
+        "result": out,
+        "rounds": times,
+    }
+
+
+def round_ratio(run: dict[str, Any], num: str, den: str) -> float:
+    """The median over rounds of ``num``'s time / ``den``'s time in the same round."""
+    rounds = run["rounds"]
+    return statistics.median(a / b for a, b in zip(rounds[num], rounds[den], strict=True))
+
+
 def longform(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[str, Any]:
-    """One long clip end to end: ours vs faster-whisper float32 and int8, beam 1."""
+    """One long clip end to end: ours vs faster-whisper float32 and int8, beam 1, taking
+    turns in every round."""
     from faster_whisper import WhisperModel
 
     from kvcache.transcription import TranscribeOptions
@@ -259,9 +285,9 @@ def longform(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[s
 
     torch.set_num_threads(threads)
     tr = bundled()
-    t_ours, ours = median_time(lambda: tr.transcribe(audio, TranscribeOptions()), repeats)
-    row: dict[str, Any] = {"audio_s": len(audio) / 16000, "ours_s": t_ours}
-    row["ours_wer"] = wer(text, ours.text)  # type: ignore[attr-defined]
+    fns: dict[str, Callable[[], object]] = {
+        "ours": lambda: tr.transcribe(audio, TranscribeOptions()).text
+    }
     for compute in ("float32", "int8"):
         fw = WhisperModel(
             str(bundled_whisper_dir()), device="cpu", compute_type=compute, cpu_threads=threads
@@ -270,34 +296,44 @@ def longform(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[s
         def run(fw: Any = fw) -> str:
             return " ".join(s.text for s in fw.transcribe(audio, beam_size=1)[0])
 
-        t_fw, fw_text = median_time(run, repeats)
-        row[f"fw_{compute}_s"] = t_fw
-        row[f"fw_{compute}_wer"] = wer(text, str(fw_text))
-    row["ours_over_fw_float32"] = t_ours / row["fw_float32_s"]
+        fns[f"fw_{compute}"] = run
+    r = interleaved(fns, repeats)
+    row: dict[str, Any] = {"audio_s": len(audio) / 16000}
+    for name in fns:
+        row[f"{name}_s"] = r["median"][name]
+        row[f"{name}_wer"] = wer(text, str(r["result"][name]))
+    row["rounds_s"] = r["rounds"]
+    row["ours_over_fw_float32"] = round_ratio(r, "ours", "fw_float32")
     return row
 
 
 def batch(files: list[np.ndarray], threads: int, repeats: int) -> dict[str, Any]:
-    """Files decoded together in one cell cache vs one after another."""
+    """Files decoded together in one cell cache vs one after another, taking turns."""
     from kvcache.transcription import TranscribeOptions
     from kvcache.transcription.transcriber import bundled
 
     torch.set_num_threads(threads)
     tr, opts = bundled(), TranscribeOptions()
     audio_s = sum(len(f) for f in files) / 16000
-    t_seq, alone = median_time(lambda: [tr.transcribe(f, opts) for f in files], repeats)
-    t_batch, together = median_time(lambda: tr.transcribe_many(files, opts), repeats)
-    same = [a.text for a in alone] == [b.text for b in together]  # type: ignore[attr-defined]
+    r = interleaved(
+        {
+            "one_after_another": lambda: [tr.transcribe(f, opts).text for f in files],
+            "together": lambda: [t.text for t in tr.transcribe_many(files, opts)],
+        },
+        repeats,
+    )
+    t_seq, t_batch = r["median"]["one_after_another"], r["median"]["together"]
     return {
         "files": len(files),
         "seconds_each": [round(len(f) / 16000, 2) for f in files],
         "audio_s": audio_s,
         "one_after_another_s": t_seq,
         "together_s": t_batch,
+        "rounds_s": r["rounds"],
         "one_after_another_audio_s_per_s": audio_s / t_seq,
         "together_audio_s_per_s": audio_s / t_batch,
-        "speedup": t_seq / t_batch,
-        "same_transcripts": same,
+        "speedup": round_ratio(r, "one_after_another", "together"),
+        "same_transcripts": r["result"]["one_after_another"] == r["result"]["together"],
     }
 
 
