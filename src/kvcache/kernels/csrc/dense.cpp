@@ -4,10 +4,10 @@
 //   windows [T] int64 (row t reads window windows[t])   ->   out [T, H, D] float32
 //
 // A work item is one (window, head): every row reading that window shares one pass over its S
-// keys (their scores in the linear kernel's blocks: rows x keys accumulators) and one pass
-// over its S values (in L2 for a second row). torch's batched matmuls for one or a few query
-// rows read the 4.6 MB of a Whisper tiny layer's keys and values at about half the memory
-// bandwidth; this reads them once per step for all rows of a window.
+// keys (their scores in the linear kernel's blocks: rows x keys accumulators) and one pass over
+// its S values per two rows (their weighted sums in registers). torch's batched matmuls for one
+// or a few query rows read the 4.6 MB of a Whisper tiny layer's keys and values at about half
+// the memory bandwidth.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -18,6 +18,63 @@
 #include "matrows.h"
 
 namespace kvk {
+
+namespace {
+
+constexpr int PV_ROWS = 2;  // rows summed in one pass over a window's values
+
+// out[i][c0 : c0 + 8 V] = inv[i] * sum_j p[i * S + j] * v[j * D + c0 ...] for R rows: R x V
+// vector accumulators, each value vector loaded once for the R rows. Every channel is the
+// same sum in the same order (one FMA per j) whatever R: rows do not change each other's bits.
+template <int R, int V>
+inline void weighted_block(const float* p, int64_t S, const float* v, int64_t D, int64_t c0,
+                           const float* inv, float* const* out) {
+#if KVK_AVX2
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < S; ++j) {
+    __m256 vv[V];
+    for (int i = 0; i < V; ++i) vv[i] = _mm256_loadu_ps(v + j * D + c0 + 8 * i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * S + j);
+      for (int i = 0; i < V; ++i) acc[r][i] = _mm256_fmadd_ps(pr, vv[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i)
+      _mm256_storeu_ps(out[r] + c0 + 8 * i, _mm256_mul_ps(acc[r][i], _mm256_set1_ps(inv[r])));
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = c0; c < c0 + 8 * V; ++c) {
+      float a = 0.0f;
+      for (int64_t j = 0; j < S; ++j) a += p[r * S + j] * v[j * D + c];
+      out[r][c] = a * inv[r];
+    }
+#endif
+}
+
+// channels in chunks of 8 V (R x V accumulators: 8 x 1 or 4 x 2 of the 16 registers), so a
+// single row reads each 64-channel value row in one pass
+template <int R>
+inline void weighted_rows_of(const float* p, int64_t S, const float* v, int64_t D,
+                             const float* inv, float* const* out) {
+  constexpr int V = R == 1 ? 8 : 4;
+  int64_t c = 0;
+  for (; c + 8 * V <= D; c += 8 * V) weighted_block<R, V>(p, S, v, D, c, inv, out);
+  for (; c < D; c += 8) weighted_block<R, 1>(p, S, v, D, c, inv, out);
+}
+
+// n (<= PV_ROWS) rows of weights p [n, S] over values v [S, D] into out[0..n), scaled by inv
+inline void weighted_rows(int64_t n, const float* p, int64_t S, const float* v, int64_t D,
+                          const float* inv, float* const* out) {
+  if (n == 2)
+    weighted_rows_of<2>(p, S, v, D, inv, out);
+  else
+    weighted_rows_of<1>(p, S, v, D, inv, out);
+}
+
+}  // namespace
 
 at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& windows, double scale) {
@@ -53,13 +110,15 @@ at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at
   const float sc = (float)scale;
   const int64_t items = (int64_t)used.size() * H;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs, scores, acc(D);
+    std::vector<float> qs, scores, inv;
+    float* outs[PV_ROWS];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t a = used[item / H], h = item % H;
       const std::vector<int64_t>& rows = rows_of[a];
       const int64_t R = (int64_t)rows.size();
       qs.resize(R * D);
       scores.resize(R * S);
+      inv.resize(R);
       for (int64_t r = 0; r < R; ++r)  // the rows' queries of head h, scaled
         for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qp[(rows[r] * H + h) * D + d] * sc;
       const float* kb = kp + (a * H + h) * S * D;
@@ -69,15 +128,16 @@ at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at
         for (int64_t m = 0; m < R; m += MB)
           run_block(std::min<int64_t>(MB, R - m), std::min<int64_t>(nb, S - n), qs.data() + m * D,
                     D, kb + n * D, scores.data() + m * S + n, S, nullptr);
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < R; ++r) {  // scores -> softmax weights (unnormalised), 1 / sum
         float* s = scores.data() + r * S;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < S; ++j) mx = std::max(mx, s[j]);
-        const float inv = 1.0f / exp_shift_sum(s, (int)S, mx);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j < S; ++j) axpy(s[j], vb + j * D, acc.data(), (int)D);
-        float* o = op + (rows[r] * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+        inv[r] = 1.0f / exp_shift_sum(s, (int)S, mx);
+      }
+      for (int64_t r = 0; r < R; r += PV_ROWS) {  // outputs: PV_ROWS rows per pass over V
+        const int64_t n = std::min<int64_t>(PV_ROWS, R - r);
+        for (int64_t i = 0; i < n; ++i) outs[i] = op + (rows[r + i] * H + h) * D;
+        weighted_rows(n, scores.data() + r * S, S, vb, D, inv.data() + r, outs);
       }
     }
   });
