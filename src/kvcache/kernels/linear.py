@@ -43,6 +43,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``: x [..., K], weight [N, K], bias [N] -> [..., N]."""
     if not served(x, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, weight, bias)
+    return _kernel(x, weight, bias)
+
+
+def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The C++ kernel on inputs ``served`` accepts."""
     k, n = weight.shape[1], weight.shape[0]
     b = _EMPTY if bias is None else bias.contiguous()
     y = extension().linear_rows(x.reshape(-1, k).contiguous(), weight, b)
@@ -53,5 +58,5 @@ def add_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
     """``residual + x @ weight.T`` for 2-D ``residual`` [T, N] and ``x`` [T, K] (one fused
     ``addmm`` for prompt-sized inputs)."""
     if served(x, weight):
-        return residual + linear(x, weight)
+        return residual + _kernel(x, weight, None)
     return torch.addmm(residual, x, weight.t())

@@ -49,11 +49,16 @@ inline void block(const float* x, int64_t K, const float* w, float* y, int64_t l
 template <int R>
 inline void run_cols(int64_t c, const float* x, int64_t K, const float* w, float* y, int64_t ldy,
                      const float* bias) {
+  if constexpr (R == 1) {  // only a single row takes blocks wider than NB
+    switch (c) {
+      case 8: return block<1, 8>(x, K, w, y, ldy, bias);
+      case 7: return block<1, 7>(x, K, w, y, ldy, bias);
+      case 6: return block<1, 6>(x, K, w, y, ldy, bias);
+      case 5: return block<1, 5>(x, K, w, y, ldy, bias);
+      default: break;
+    }
+  }
   switch (c) {
-    case 8: block<R, 8>(x, K, w, y, ldy, bias); break;
-    case 7: block<R, 7>(x, K, w, y, ldy, bias); break;
-    case 6: block<R, 6>(x, K, w, y, ldy, bias); break;
-    case 5: block<R, 5>(x, K, w, y, ldy, bias); break;
     case 4: block<R, 4>(x, K, w, y, ldy, bias); break;
     case 3: block<R, 3>(x, K, w, y, ldy, bias); break;
     case 2: block<R, 2>(x, K, w, y, ldy, bias); break;
