@@ -34,8 +34,10 @@ layer reads them (to encode) before it writes the plan's kept rows, which may re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+import torch
 
 from kvcache.cells import Cells
 
@@ -62,12 +64,23 @@ class SealPlan:
     keep: np.ndarray  # new cells whose rows stay in fp16
     keep_slots: np.ndarray  # their slots
     groups: tuple[SealGroup, ...]  # rows to encode now
+    keep_rows: np.ndarray  # [len(keep)] the forward's token (row of K/V) of each kept cell
 
     @classmethod
     def everything(cls, cells: np.ndarray) -> SealPlan:
         """Encode every new row with no metadata (a reserve forward's allocation only)."""
         none = cells[:0]
-        return cls(none, none, (SealGroup(cells, np.full(len(cells), -1), -1, False, none, none),))
+        group = SealGroup(cells, np.full(len(cells), -1), -1, False, none, none)
+        return cls(none, none, (group,), none.astype(np.int64))
+
+    @cached_property
+    def keep_index(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The kept rows as every layer's buffers copy them: the K/V rows to take (None: the
+        first ``len(keep)`` in order, as in a decode step) and the window slots they go to."""
+        rows = self.keep_rows
+        every = np.array_equal(rows, np.arange(len(rows)))
+        src = None if every else torch.from_numpy(rows.astype(np.int64))
+        return src, torch.from_numpy(self.keep_slots.astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -117,8 +130,9 @@ class Windows:
         Call after the cells are occupied; commits the new state (the plan is then applied
         to every layer's buffers by their puts).
         """
-        is_new = np.zeros(len(self.open), dtype=bool)
-        is_new[locs] = True
+        row_of = np.full(len(self.open), -1, dtype=np.int64)  # cell -> its token in the forward
+        row_of[locs] = np.arange(len(locs))
+        is_new = row_of >= 0
         keep: list[np.ndarray] = []
         groups: list[SealGroup] = []
         claimed = np.zeros(len(self.open), dtype=bool)  # sealed earlier in this forward
@@ -141,7 +155,7 @@ class Windows:
             self._set_meta(group.cells, group.meta)
             self._free(group.cells)
         self.open[kept] = True
-        return SealPlan(kept, self._assign(kept), tuple(groups))
+        return SealPlan(kept, self._assign(kept), tuple(groups), row_of[kept])
 
     def _groups(self, seq: int, sealing: np.ndarray, cand: np.ndarray) -> list[SealGroup]:
         kind = self.spec.meta

@@ -58,7 +58,10 @@ class WindowedBuffer(Buffer):
 
     def index(self, a: np.ndarray) -> torch.Tensor:
         """A numpy array as a tensor on the buffer's device (shared memory on the CPU)."""
-        t = torch.from_numpy(a)
+        return self.on_device(torch.from_numpy(a))
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor on the buffer's device (itself on the CPU)."""
         return t if self.on_cpu else t.to(self.device)
 
     # ---- what subclasses provide ----------------------------------------------------------
@@ -84,12 +87,12 @@ class WindowedBuffer(Buffer):
 
     # ---- Buffer ---------------------------------------------------------------------------
     def store(self, locs: torch.Tensor, x: torch.Tensor, plan: SealPlan | None) -> None:
-        new = cell_index(locs)
         if plan is None:
-            plan = SealPlan.everything(new)
+            plan = SealPlan.everything(cell_index(locs))
         rows = x.to(RESIDUAL)  # [T, H, D]: what a window keeps, and what is encoded
-        values = rows.float()
         if plan.groups:  # read every sealed row before a kept row reuses its slot
+            new = cell_index(locs)
+            values = rows.float()
             for group in plan.groups:
                 if group.fresh and len(group.basis):
                     basis = self._rows(group.basis, group.basis_slots, new, values)
@@ -101,10 +104,10 @@ class WindowedBuffer(Buffer):
             at = self.index(cells)
             self._encode(at, self._rows(cells, slots, new, values), metas)
         self._fit_window()
-        if len(plan.keep):
-            idx = self.index(np.searchsorted(new, plan.keep))
-            kept = self.index(plan.keep_slots.astype(np.int64))
-            self.residual.index_copy_(0, kept, rows.index_select(0, idx))
+        if len(plan.keep):  # decode steps: one copy of every row into its slot
+            src, slots = plan.keep_index
+            kept = rows[: len(slots)] if src is None else rows.index_select(0, self.on_device(src))
+            self.residual.index_copy_(0, self.on_device(slots), kept)
 
     def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
         idx = cell_index(cells)

@@ -48,6 +48,7 @@ struct Scratch {
   std::vector<const float*> krows, vrows;
   std::vector<const int8_t*> kcodes, vcodes;  // int8 tiles read from the codes
   std::vector<const uint8_t*> knib, vnib;     // 4-bit rows read from the codes
+  std::vector<uint8_t> kbytes, vbytes;        // [BLK, D]: those rows a code a byte
   std::vector<const uint16_t*> khalf, vhalf;  // fp16 rows (window or fp16 storage)
   std::vector<float> kscale, klow, vscale, vlow, pw, part, dots;
   std::vector<float> qsum;  // [H * R, groups]: the scaled query's sums over key channel groups
@@ -62,6 +63,16 @@ enum class Direct { NONE, INT8, AFFINE4, HALF };
 // 4-bit affine codes read as they are: groups of a multiple of `step` channels
 bool affine4_direct(const Reader& r, int64_t step) {
   return r.kind == AFFINE_ROWS && r.bits == 4 && (r.D / r.scale_head) % step == 0;
+}
+
+// Rows [a, b) of 4-bit codes, a byte each: rows[j] -> bytes + j * D, read as int8 rows
+void unpack_rows(const uint8_t* const* packed, int a, int b, int64_t D, uint8_t* bytes,
+                 const int8_t** rows) {
+  for (int j = a; j < b; ++j) {
+    uint8_t* dst = bytes + (int64_t)j * D;
+    unpack_nibbles(packed[j], (int)D, dst);
+    rows[j] = reinterpret_cast<const int8_t*>(dst);
+  }
 }
 
 Direct direct_keys(const Reader& kr, const int32_t* cells, int n) {
@@ -88,6 +99,7 @@ Direct direct_values(const Reader& vr, const int32_t* cells, int n) {
 void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int b, int64_t ne,
                   int64_t G, int64_t D, Scratch& w) {
   affine4_rows(kr, h, cells, a, b, w.knib.data(), w.kscale.data(), w.klow.data());
+  unpack_rows(w.knib.data(), a, b, D, w.kbytes.data(), w.kcodes.data());
   const int64_t groups = kr.scale_head, width = D / groups;
   for (int64_t e = 0; e < ne; ++e) {
     const int ja = w.ja[e], jb = w.jb[e];
@@ -96,7 +108,7 @@ void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int 
     float* sc0 = w.sc.data() + e * G * BLK;
     for (int64_t gr = 0; gr < groups; ++gr) {
       float* dst = gr == 0 ? sc0 : w.part.data();
-      qk_rows<Nibble4Rows>(q0, (int)G, w.knib.data(), ja, jb, (int)D, dst, (int)(gr * width),
+      qk_rows<Int8Rows>(q0, (int)G, w.kcodes.data(), ja, jb, (int)D, dst, (int)(gr * width),
                            (int)((gr + 1) * width));
       const float* s = w.kscale.data() + gr * BLK;
       const float* lo = w.klow.data() + gr * BLK;
@@ -121,6 +133,7 @@ void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int 
 void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, int b,
                     int64_t ne, int64_t G, int64_t Dv, Scratch& w) {
   affine4_rows(vr, h, cells, a, b, w.vnib.data(), w.vscale.data(), w.vlow.data());
+  unpack_rows(w.vnib.data(), a, b, Dv, w.vbytes.data(), w.vcodes.data());
   const int64_t groups = vr.scale_head, width = Dv / groups;
   for (int64_t e = 0; e < ne; ++e) {
     const int ja = w.ja[e], jb = w.jb[e];
@@ -134,7 +147,7 @@ void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, in
                            w.vlow.data() + gr * BLK + ja, w.pw.data() + g * BLK + ja, jb - ja);
         add_const(bias, acc + g * Dv + gr * width, (int)width);
       }
-      pv_rows<Nibble4Rows>(w.pw.data(), (int)G, w.vnib.data(), ja, jb, (int)Dv, acc,
+      pv_rows<Int8Rows>(w.pw.data(), (int)G, w.vcodes.data(), ja, jb, (int)Dv, acc,
                            (int)(gr * width), (int)((gr + 1) * width));
     }
   }
@@ -238,8 +251,7 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = r0 + g;
           float* sc = w.sc.data() + (e * G + g) * BLK;
-          float bm = w.m[r];
-          for (int j = ja; j < jb; ++j) bm = std::max(bm, sc[j]);
+          const float bm = row_max(sc + ja, jb - ja, w.m[r]);
           if (bm > w.m[r]) {
             const float f = std::exp(w.m[r] - bm);  // 0 when the old max is -inf
             w.l[r] *= f;
@@ -276,18 +288,18 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         continue;
       }
       decode(vr, h, cells, pos, a, b, w.vtile.data(), w.vrows.data(), w.vdom.data(), rope);
-      bool rotated = false;
-      for (int j = a; j < b; ++j) rotated = rotated || w.vdom[j];
+      int rotated = 0;  // turbo values summed in the rotated domain: all a tile's rows or none
+      for (int j = a; j < b; ++j) rotated += w.vdom[j] != 0;
       for (int64_t e = 0; e < ne; ++e) {
         const int ja = w.ja[e], jb = w.jb[e];
         if (ja >= jb) continue;
         const int64_t r0 = (h * ne + e) * G;
-        if (!rotated) {
-          pv_rows(w.sc.data() + e * G * BLK, (int)G, w.vrows.data(), ja, jb, (int)Dv,
-                  w.acc.data() + r0 * Dv);
+        if (rotated == 0 || rotated == b - a) {
+          float* acc = (rotated ? w.accr.data() : w.acc.data()) + r0 * Dv;
+          pv_rows(w.sc.data() + e * G * BLK, (int)G, w.vrows.data(), ja, jb, (int)Dv, acc);
           continue;
         }
-        for (int j = ja; j < jb; ++j) {  // turbo values: codes summed in the rotated domain
+        for (int j = ja; j < jb; ++j) {  // a mix (not cut by uniform_prefix): row by row
           float* dst = (w.vdom[j] ? w.accr.data() : w.acc.data()) + r0 * Dv;
           for (int64_t g = 0; g < G; ++g)
             axpy(w.sc[(e * G + g) * BLK + j], w.vrows[j], dst + g * Dv, (int)Dv);
@@ -421,6 +433,8 @@ void run(const Pass& p, const Partials& part) {
     w.khalf.resize(BLK);
     w.vhalf.resize(BLK);
     w.vnib.resize(BLK);
+    w.kbytes.resize(BLK * p.D);
+    w.vbytes.resize(BLK * p.D);
     w.kscale.resize(BLK * p.D);  // [groups, BLK] for 4-bit rows (groups <= D)
     w.klow.resize(BLK * p.D);
     w.vscale.resize(BLK * p.D);

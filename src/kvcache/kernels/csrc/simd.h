@@ -2,6 +2,7 @@
 // (built with -march=native), plain loops otherwise. Rows are D floats, D a multiple of 8.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -127,6 +128,52 @@ inline __m256i nibbles8(const uint8_t* row, int64_t c) {
   return _mm256_and_si256(v, _mm256_set1_epi32(15));
 }
 #endif
+
+// max(init, x[0:n]); NaN entries are passed over (as std::max(m, x) does)
+inline float row_max(const float* x, int n, float init) {
+  int i = 0;
+  float m = init;
+#if KVK_AVX2
+  if (n >= 8) {  // 4 independent chains: vmaxps's latency, not its throughput, bounds one
+    __m256 a = _mm256_set1_ps(init), b = a, c = a, d = a;
+    for (; i + 32 <= n; i += 32) {
+      a = _mm256_max_ps(_mm256_loadu_ps(x + i), a);
+      b = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), b);
+      c = _mm256_max_ps(_mm256_loadu_ps(x + i + 16), c);
+      d = _mm256_max_ps(_mm256_loadu_ps(x + i + 24), d);
+    }
+    for (; i + 8 <= n; i += 8) a = _mm256_max_ps(_mm256_loadu_ps(x + i), a);
+    a = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// The 4-bit codes of a D-channel row (two a byte, low nibble first) as D bytes in channel
+// order (D a multiple of 16): the tile math then reads them as int8 rows, 2 instructions per
+// 8 channels instead of the 5 that isolating nibbles in 32-bit lanes takes.
+inline void unpack_nibbles(const uint8_t* src, int D, uint8_t* dst) {
+  int c = 0;
+#if KVK_AVX2
+  const __m128i m = _mm_set1_epi8(15);
+  for (; c + 32 <= D; c += 32) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)(src + c / 2));
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    _mm_storeu_si128((__m128i*)(dst + c), _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128((__m128i*)(dst + c + 16), _mm_unpackhi_epi8(lo, hi));
+  }
+  for (; c + 16 <= D; c += 16) {
+    const __m128i b = _mm_loadl_epi64((const __m128i*)(src + c / 2));
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    _mm_storeu_si128((__m128i*)(dst + c), _mm_unpacklo_epi8(lo, hi));
+  }
+#endif
+  for (; c < D; ++c) dst[c] = (uint8_t)((src[c / 2] >> (4 * (c % 2))) & 15);
+}
 
 // y[0:n] *= x[0:n]
 inline void mul_rows(const float* x, float* y, int n) {

@@ -43,15 +43,6 @@ struct HalfRows {  // fp16 rows (fp16 storage or a recent window), converted as 
   static float at(const T* row, int c) { return half_to_float(row[c]); }
 };
 
-struct Nibble4Rows {  // 4-bit codes, two a byte, low nibble first: the caller applies the
-  using T = uint8_t;   // groups' scales to the weights and adds the weighted minimums
-  static constexpr int consts = 2;  // the shifts and the mask
-#if KVK_AVX2
-  static __m256 load8(const T* row, int c) { return _mm256_cvtepi32_ps(nibbles8(row, c)); }
-#endif
-  static float at(const T* row, int c) { return (float)((row[c / 2] >> (4 * (c % 2))) & 15); }
-};
-
 #if KVK_AVX2
 template <int NR, int NC, typename R>
 inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
