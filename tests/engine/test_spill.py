@@ -186,3 +186,27 @@ def test_serve_spill_options(tmp_path: Path):
     assert serve._engine_config(parser.parse_args([])).spill == "memory"
     with pytest.raises(InvalidConfigError, match="spill"):
         serve._engine_config(parser.parse_args(["--spill", "tape"]))
+
+
+def test_prefix_store_none_reuses_the_pool_only(history_model: Llama):
+    """``kvcache serve --prefix-store none`` (the no-host-tier baseline of serve_load's
+    oversubscribed question): an idle holder in the pool is still shared, but once evicted
+    its prefix is computed again, where the default memory store loads it."""
+    from kvcache.commands import serve
+
+    assert serve._open_store("none") is None
+    assert isinstance(serve._open_store("memory"), MemoryStore)
+    prompt = random_prompt(32, seed=42)
+    loaded = {}
+    for spec in ("none", "memory"):
+        cfg = EngineConfig(capacity=48, max_sequences=1, block_size=8)
+        engine = Engine(history_model, config=cfg, model_id="tiny", store=serve._open_store(spec))
+        run(engine, [prompt])
+        [again] = run(engine, [[*prompt, 1]])  # the holder is in the pool: shared
+        assert again.cached_tokens == 32
+        run(engine, [random_prompt(30, seed=43)])  # needs the holder's cells: evicted
+        assert engine.stats.evictions >= 1
+        [back] = run(engine, [[*prompt, 2]])
+        assert back.generated == greedy(history_model, [*prompt, 2], STEPS)
+        loaded[spec] = engine.stats.store_tokens
+    assert loaded == {"none": 0, "memory": 32}

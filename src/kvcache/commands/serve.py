@@ -63,7 +63,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--prefix-store",
         default="memory",
         metavar="SPEC",
-        help="memory | disk:PATH | redis://HOST:PORT/DB (default memory)",
+        help="where prefix blocks outlive the pool: memory | disk:PATH | redis://HOST:PORT/DB | "
+        "none (reuse only cells still in the pool; evicted prefixes are recomputed) "
+        "(default memory)",
     )
     parser.add_argument(
         "--no-prefix-cache", action="store_true", help="compute every prompt in full"
@@ -157,11 +159,14 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _open_store(spec: str) -> BlockStore:
-    """The block store, reachable now (a Redis that does not answer fails at start-up)."""
+def _open_store(spec: str) -> BlockStore | None:
+    """The block store, reachable now (a Redis that does not answer fails at start-up);
+    None for ``none``: prefixes are reused from the pool's idle holders only."""
     from kvcache.engine.store import open_store
     from kvcache.errors import InvalidArgumentError, KVCacheError
 
+    if spec == "none":
+        return None
     try:
         return open_store(spec)
     except KVCacheError:

@@ -211,12 +211,19 @@ class PrefixReuse:
     def _write(
         self, r: Request, keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]]
     ) -> bool:
-        """Store loaded blocks' K/V in ``r``'s next cells (False: no room, compute instead)."""
+        """Store loaded blocks' K/V in ``r``'s next cells, evicting idle holders for them
+        if need be (False: still no room, compute instead)."""
         n = len(keys) * self.block_size
+        batch = Batch(list(range(r.fed, r.fed + n)), [r.seq] * n)
         try:
-            self.cache.start_forward(Batch(list(range(r.fed, r.fed + n)), [r.seq] * n))
-        except CacheFullError:
-            return False
+            self.cache.start_forward(batch)
+        except CacheFullError:  # changes nothing: make room and try once more
+            if not self.evict(n):
+                return False
+            try:
+                self.cache.start_forward(batch)
+            except CacheFullError:
+                return False
         dtype = self.cache.dtype
         for layer in range(self.num_layers):
             k_rows = torch.cat([blk[layer] for blk in keys]).to(dtype)  # [n, H, D]
