@@ -105,9 +105,9 @@ class WindowedBuffer(Buffer):
             self._encode(at, self._rows(cells, slots, new, values), metas)
         self._fit_window()
         if len(plan.keep):  # decode steps: one copy of every row into its slot
-            src, slots = plan.keep_index
-            kept = rows[: len(slots)] if src is None else rows.index_select(0, self.on_device(src))
-            self.residual.index_copy_(0, self.on_device(slots), kept)
+            src, to = plan.keep_index  # K/V rows (None: the first len(to)), window slots
+            kept = rows[: len(to)] if src is None else rows.index_select(0, self.on_device(src))
+            self.residual.index_copy_(0, self.on_device(to), kept)
 
     def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
         idx = cell_index(cells)
