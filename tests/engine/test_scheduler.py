@@ -38,6 +38,18 @@ def test_concurrent_requests_equal_the_no_cache_reference(history_model: Llama):
     assert engine.stats.forwards < 8 * 9  # batched, not one request after another
 
 
+def test_queue_wait_ends_when_the_request_first_starts(history_model: Llama):
+    """One request at a time: the second waits in the queue until the first has finished,
+    so its queue wait covers the first one's tokens; the first starts at once."""
+    engine = Engine(history_model, config=EngineConfig(capacity=64, max_sequences=1))
+    first, second = run(engine, prompts(2))
+    assert first.started_at is not None and second.started_at is not None
+    assert first.first_token_at is not None and second.first_token_at is not None
+    assert first.submitted <= first.started_at < first.first_token_at <= second.started_at
+    assert second.queued_seconds == second.started_at - second.submitted
+    assert second.queued_seconds > first.first_token_at - first.submitted
+
+
 def test_shared_prefix_prefills_only_new_tokens(history_model: Llama):
     engine = Engine(history_model, config=EngineConfig(capacity=128, max_sequences=2, block_size=8))
     first, second = prompts(2, length=30, shared=20)

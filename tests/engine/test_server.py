@@ -165,7 +165,10 @@ def test_completion_equals_uncached_greedy_reference(served, smollm2):
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 8)
     assert r.usage.total_tokens == len(ids) + 8
-    assert r.model_extra == {"kvcache": {"preemptions": 0}}  # beside usage: never preempted
+    extra = r.model_extra["kvcache"]  # beside usage: never preempted, queued a while
+    assert extra["preemptions"] == 0 and isinstance(extra["queued_s"], float)
+    assert extra["queued_s"] >= 0
+    assert set(r.model_extra) == {"kvcache"}
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == want
 

@@ -72,6 +72,7 @@ class Request:
         self.finish_reason: str | None = None
         self.cancelled = False
         self.submitted = time.perf_counter()
+        self.started_at: float | None = None  # first admission (the end of its queue wait)
         self.first_token_at: float | None = None
 
     @property
@@ -95,6 +96,12 @@ class Request:
     def prefilling(self) -> bool:
         """Whether the request still computes its prompt itself (others may wait for it)."""
         return self.seq >= 0 and self.awaits is None and self.fed < self.prompt_len
+
+    @property
+    def queued_seconds(self) -> float:
+        """Seconds between submission and the first admission (so far, while queued)."""
+        end = time.perf_counter() if self.started_at is None else self.started_at
+        return end - self.submitted
 
     def cancel(self) -> None:
         """Stop at the next step and free the request's cells (any thread)."""

@@ -237,6 +237,8 @@ class Engine:
             self.waiting.popleft()
             r.seq = next(self._seqs)
             r.admitted = next(self._admissions)
+            if r.started_at is None:
+                r.started_at = time.perf_counter()
             self.running.append(r)
             restored = self.preemption.resume(self.cache, r)
             if restored:

@@ -152,8 +152,11 @@ class Submission:
 
     def report(self) -> dict[str, Any]:
         """kvcache's counts beside OpenAI's usage (the ``kvcache`` field of the response or
-        the usage chunk): how often the request was preempted for room."""
-        return {"preemptions": self.request.preemptions}
+        the usage chunk): how often the request was preempted for room, and how long it
+        waited in the queue before it first started (its time to first token less this is
+        what computing, loading or restoring its context took)."""
+        r = self.request
+        return {"preemptions": r.preemptions, "queued_s": round(r.queued_seconds, 6)}
 
 
 def _drain(events: queue.SimpleQueue[Event]) -> list[Event]:
