@@ -311,7 +311,8 @@ def worker(args: argparse.Namespace) -> None:
     one after another, taking turns for ``--repeats`` rounds)."""
     data = np.load(args.input)
     if args.worker == "batch":
-        print(json.dumps(batch([data[k] for k in sorted(data.files)], args.threads, args.repeats)))
+        files = [data[k] for k in sorted(data.files, key=lambda k: int(k[1:]))]  # f0, f1, ...
+        print(json.dumps(batch(files, args.threads, args.repeats)))
         return
     audio = data["audio"]
     fn = transcriber(args.worker, args.threads)
