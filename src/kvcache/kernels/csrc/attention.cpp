@@ -10,7 +10,8 @@
 // rows, or a shared prefix for the rows of every sequence that shares it. Work items are
 // segments (every KV head); each keeps, per entry and query head, a running max, sum and
 // weighted value sum over tiles of up to BLK cells (cut where a sequence's rows pass from the
-// codes to its fp16 window); a second pass merges a row's entries.
+// codes to its fp16 window), the next tile's code rows fetched into L2 while a tile's math
+// runs (LineStream); a second pass merges a row's entries.
 //
 //   q [T, Hq, D] float32 (query head hq reads KV head hq / G)   ->   out [T, Hq, Dv] float32
 #include <ATen/Parallel.h>
@@ -54,6 +55,8 @@ struct Scratch {
   std::vector<float> qsum;  // [H * R, groups]: the scaled query's sums over key channel groups
   std::vector<uint8_t> kdom, vdom;
   std::vector<int> ja, jb;
+  std::vector<const char*> next;  // [2 * BLK] the next tile's K rows, then its V rows
+  LineStream stream;              // ... fetched while this tile's math runs
   float sink = 0.f;  // keeps touch()'s loads
 };
 
@@ -97,7 +100,7 @@ Direct direct_values(const Reader& vr, const int32_t* cells, int n) {
 // plus the sequence's key centre): per group, the dots with the codes times the cells' scales,
 // plus the cells' minimums times the query's sum over the group; then the centre's dot.
 void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int b, int64_t ne,
-                  int64_t G, int64_t D, Scratch& w) {
+                  int64_t G, int64_t D, Scratch& w, LineStream* ls) {
   affine4_rows(kr, h, cells, a, b, w.knib.data(), w.kscale.data(), w.klow.data());
   unpack_rows(w.knib.data(), a, b, D, w.kbytes.data(), w.kcodes.data());
   const int64_t groups = kr.scale_head, width = D / groups;
@@ -109,7 +112,7 @@ void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int 
     for (int64_t gr = 0; gr < groups; ++gr) {
       float* dst = gr == 0 ? sc0 : w.part.data();
       qk_rows<Int8Rows>(q0, (int)G, w.kcodes.data(), ja, jb, (int)D, dst, (int)(gr * width),
-                           (int)((gr + 1) * width));
+                        (int)((gr + 1) * width), ls);
       const float* s = w.kscale.data() + gr * BLK;
       const float* lo = w.klow.data() + gr * BLK;
       for (int64_t g = 0; g < G; ++g) {
@@ -131,7 +134,7 @@ void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int 
 // per group, the weights times the cells' scales through the tile math, plus the weighted sum
 // of the cells' minimums.
 void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, int b,
-                    int64_t ne, int64_t G, int64_t Dv, Scratch& w) {
+                    int64_t ne, int64_t G, int64_t Dv, Scratch& w, LineStream* ls) {
   affine4_rows(vr, h, cells, a, b, w.vnib.data(), w.vscale.data(), w.vlow.data());
   unpack_rows(w.vnib.data(), a, b, Dv, w.vbytes.data(), w.vcodes.data());
   const int64_t groups = vr.scale_head, width = Dv / groups;
@@ -148,7 +151,7 @@ void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, in
         add_const(bias, acc + g * Dv + gr * width, (int)width);
       }
       pv_rows<Int8Rows>(w.pw.data(), (int)G, w.vcodes.data(), ja, jb, (int)Dv, acc,
-                           (int)(gr * width), (int)((gr + 1) * width));
+                        (int)(gr * width), (int)((gr + 1) * width), ls);
     }
   }
 }
@@ -196,6 +199,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         w.qsum[r * groups + gr] = qs;
       }
   }
+  w.next.resize(2 * BLK);
+  bool fetched = false;  // this tile's code rows were fetched during the tile before
   int n = 0;
   for (int64_t b0 = c0; b0 < c1; b0 += n) {
     const int32_t* cells = plan.cells + b0;
@@ -216,8 +221,23 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         b = std::max(b, jb);
       }
     }
-    if (a >= b) continue;
-    w.sink += touch(kr, cells + a, b - a) + touch(vr, cells + a, b - a);
+    if (a >= b) {
+      fetched = false;
+      continue;
+    }
+    if (!fetched) w.sink += touch(kr, cells + a, b - a) + touch(vr, cells + a, b - a);
+    // the next tile (cut as the loop will cut it) is fetched while this one's math runs
+    LineStream* ls = nullptr;
+    fetched = b0 + n < c1;
+    if (fetched) {
+      const int32_t* nc = cells + n;
+      int m = (int)std::min<int64_t>(BLK, c1 - b0 - n);
+      m = std::min(uniform_prefix(kr, nc, m), uniform_prefix(vr, nc, m));
+      const int nk = code_row_starts(kr, nc, m, w.next.data());
+      const int nv = code_row_starts(vr, nc, m, w.next.data() + nk);
+      w.stream.reset(w.next.data(), nk, kr.data_cell, nk + nv, vr.data_cell);
+      ls = &w.stream;
+    }
     // Rows read as stored, without a decoded tile: fp16 rows (fp16 storage or the recent
     // window; converted as loaded), and when every row of the tile is in the codes: int8 keys
     // after RoPE (scores times the key scales), 4-bit affine keys after RoPE (affine4_keys),
@@ -229,7 +249,7 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
       if (kd == Direct::INT8)
         int8_rows(kr, h, cells, a, b, w.kcodes.data(), w.kscale.data());
       else if (kd == Direct::AFFINE4)
-        affine4_keys(kr, h, cells, a, b, ne, G, D, w);
+        affine4_keys(kr, h, cells, a, b, ne, G, D, w, ls);
       else if (kd == Direct::HALF)
         half_rows(kr, h, cells, a, b, w.khalf.data());
       else
@@ -240,13 +260,15 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         const int64_t r0 = (h * ne + e) * G;
         float* sc0 = w.sc.data() + e * G * BLK;
         if (kd == Direct::INT8) {
-          qk_rows<Int8Rows>(w.q.data() + r0 * D, (int)G, w.kcodes.data(), ja, jb, (int)D, sc0);
+          qk_rows<Int8Rows>(w.q.data() + r0 * D, (int)G, w.kcodes.data(), ja, jb, (int)D, sc0, 0,
+                            -1, ls);
           for (int64_t g = 0; g < G; ++g)
             mul_rows(w.kscale.data() + ja, sc0 + g * BLK + ja, jb - ja);
         } else if (kd == Direct::HALF) {
-          qk_rows<HalfRows>(w.q.data() + r0 * D, (int)G, w.khalf.data(), ja, jb, (int)D, sc0);
+          qk_rows<HalfRows>(w.q.data() + r0 * D, (int)G, w.khalf.data(), ja, jb, (int)D, sc0, 0,
+                            -1, ls);
         } else if (kd == Direct::NONE) {
-          qk_rows(w.q.data() + r0 * D, (int)G, w.krows.data(), ja, jb, (int)D, sc0);
+          qk_rows(w.q.data() + r0 * D, (int)G, w.krows.data(), ja, jb, (int)D, sc0, 0, -1, ls);
         }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = r0 + g;
@@ -271,7 +293,7 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
           for (int64_t g = 0; g < G; ++g)
             mul_rows(w.vscale.data() + ja, p0 + g * BLK + ja, jb - ja);
           pv_rows<Int8Rows>(p0, (int)G, w.vcodes.data(), ja, jb, (int)Dv,
-                            w.acc.data() + (h * ne + e) * G * Dv);
+                            w.acc.data() + (h * ne + e) * G * Dv, 0, -1, ls);
         }
         continue;
       }
@@ -280,11 +302,11 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         for (int64_t e = 0; e < ne; ++e)
           if (w.ja[e] < w.jb[e])
             pv_rows<HalfRows>(w.sc.data() + e * G * BLK, (int)G, w.vhalf.data(), w.ja[e], w.jb[e],
-                              (int)Dv, w.acc.data() + (h * ne + e) * G * Dv);
+                              (int)Dv, w.acc.data() + (h * ne + e) * G * Dv, 0, -1, ls);
         continue;
       }
       if (vd == Direct::AFFINE4) {
-        affine4_values(vr, h, cells, a, b, ne, G, Dv, w);
+        affine4_values(vr, h, cells, a, b, ne, G, Dv, w, ls);
         continue;
       }
       decode(vr, h, cells, pos, a, b, w.vtile.data(), w.vrows.data(), w.vdom.data(), rope);
@@ -296,7 +318,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         const int64_t r0 = (h * ne + e) * G;
         if (rotated == 0 || rotated == b - a) {
           float* acc = (rotated ? w.accr.data() : w.acc.data()) + r0 * Dv;
-          pv_rows(w.sc.data() + e * G * BLK, (int)G, w.vrows.data(), ja, jb, (int)Dv, acc);
+          pv_rows(w.sc.data() + e * G * BLK, (int)G, w.vrows.data(), ja, jb, (int)Dv, acc, 0, -1,
+                  ls);
           continue;
         }
         for (int j = ja; j < jb; ++j) {  // a mix (not cut by uniform_prefix): row by row
@@ -306,6 +329,7 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         }
       }
     }
+    if (ls != nullptr) ls->finish();  // the next tile's lines the math did not reach
   }
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t e = 0; e < ne; ++e) {

@@ -570,6 +570,15 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 #endif
 }
 
+int code_row_starts(const Reader& r, const int32_t* cells, int n, const char** rows) {
+  int m = 0;
+  for (int j = 0; j < n; ++j) {
+    if (cells[j] >= r.rows || in_window(r, cells[j])) continue;  // as touch(): no code row
+    rows[m++] = reinterpret_cast<const char*>(r.data + cells[j] * r.data_cell);
+  }
+  return m;
+}
+
 Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>& ints, int64_t H,
                    int64_t D) {
   TORCH_CHECK(t.size() == NUM_SLOTS && ints.size() == NUM_INTS, "kvcache kernel: bad layout");

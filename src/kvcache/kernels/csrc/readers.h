@@ -105,9 +105,16 @@ void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, 
 // every line once, and return a value that depends on them (so the loads are kept). A tile's
 // math interleaves few loads with much arithmetic, which keeps few cache misses in flight;
 // this pass keeps many (measured: 11 vs 7 GB/s a thread over a tile loop that fetches as it
-// computes, and better than software prefetches one tile ahead, which wait on the same miss
-// buffers). The math then reads the tile from cache.
+// computes). The math then reads the tile from cache. Used for a work item's first tile
+// only: the tiles after it are fetched during the math of the tile before (LineStream, its
+// prefetches spread over the inner loops: fp32 at 8k, 2 threads, 21 vs 17 GB/s; a burst of
+// prefetches one tile ahead waited on the same miss buffers as this pass).
 float touch(const Reader& r, const int32_t* cells, int n);
+
+// The start of each code row of cells[0:n] that touch() would read (cells with codes, not in
+// an fp16 window), into rows; how many. The kernel fetches the next tile's rows through them
+// while it computes this one (LineStream).
+int code_row_starts(const Reader& r, const int32_t* cells, int n, const char** rows);
 
 // Inverse turbo rotation in place: y [P] -> x [D] (fwht(y) * signs, first D entries).
 void turbo_unrotate(const float* signs, float* y, int64_t P);

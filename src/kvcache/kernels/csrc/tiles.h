@@ -11,6 +11,35 @@ namespace kvk {
 
 constexpr int BLK = 64;  // cells per tile
 
+// Cache lines to fetch while the tile math runs (the next tile's code rows: its keys', then
+// its values'): the math's inner loops call step(), two lines at a time, so that the misses
+// overlap the arithmetic instead of waiting in a pass of their own (touch()); finish() asks
+// for what the math did not reach.
+struct LineStream {
+  const char* const* rows = nullptr;  // row starts
+  int split = 0, n = 0;               // rows [0, split) are key rows, [split, n) value rows
+  int64_t kbytes = 0, vbytes = 0;     // bytes of a key row, of a value row
+  int i = 0;
+  int64_t off = 0;
+  void reset(const char* const* r, int keys, int64_t key_bytes, int count, int64_t value_bytes) {
+    rows = r, split = keys, n = count, kbytes = key_bytes, vbytes = value_bytes, i = 0, off = 0;
+  }
+  void step() {
+#if KVK_AVX2
+    for (int t = 0; t < 2 && i < n; ++t) {
+      _mm_prefetch(rows[i] + off, _MM_HINT_T1);  // into L2: the tile math reads it from there
+      off += 64;
+      if (off >= (i < split ? kbytes : vbytes)) off = 0, ++i;
+    }
+#endif
+  }
+  void finish() {
+#if KVK_AVX2
+    while (i < n) step();
+#endif
+  }
+};
+
 // Row kinds the tile math reads: 8 channels from c of a row as floats, in registers.
 // consts: vector registers load8 keeps busy with constants (fewer left for accumulators).
 struct FloatRows {  // float32 rows (storage or a decoded tile)
@@ -66,11 +95,12 @@ inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D
 // loaded once, and each row's 4 sums are reduced together (3 hadds, not 4 horizontal sums).
 template <int NR, typename R>
 inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
-                      float* sc) {
+                      float* sc, LineStream* ls) {
   __m256 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int c = c0; c < c1; c += 8) {
+    if (ls != nullptr) ls->step();
     __m256 qv[NR];
     for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q + r * D + c);
     for (int i = 0; i < 4; ++i) {
@@ -90,16 +120,17 @@ inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int 
 // sc[r * BLK + j] = <q[r], k[j]> over channels [c0, c1) for r < NR, j in [ja, jb)
 template <int NR, typename R>
 inline void qk_tile(const float* q, const typename R::T* const* k, int ja, int jb, int D,
-                    int c0, int c1, float* sc) {
+                    int c0, int c1, float* sc, LineStream* ls) {
   int j = ja;
 #if KVK_AVX2
   if constexpr (NR <= 3) {
-    for (; j + 4 <= jb; j += 4) qk_cells4<NR, R>(q, k, j, D, c0, c1, sc);
+    for (; j + 4 <= jb; j += 4) qk_cells4<NR, R>(q, k, j, D, c0, c1, sc, ls);
   } else {
     for (; j + 2 <= jb; j += 2) qk_cells<NR, 2, R>(q, k, j, D, c0, c1, sc);
   }
   for (; j < jb; ++j) qk_cells<NR, 1, R>(q, k, j, D, c0, c1, sc);
 #else
+  (void)ls;
   for (; j < jb; ++j)
     for (int r = 0; r < NR; ++r) {
       float s = 0.f;
@@ -114,11 +145,12 @@ inline void qk_tile(const float* q, const typename R::T* const* k, int ja, int j
 // that enough independent FMA chains are in flight (one chain per accumulator and cell)
 template <int NR, int NV, typename R>
 inline void pv_cols(const float* p, const typename R::T* const* v, int ja, int jb, int D, int c0,
-                    float* acc) {
+                    float* acc, LineStream* ls) {
   __m256 a[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int x = 0; x < NV; ++x) a[r][x] = _mm256_loadu_ps(acc + r * D + c0 + 8 * x);
   for (int j = ja; j < jb; ++j) {
+    if (ls != nullptr) ls->step();
     __m256 pr[NR];
     for (int r = 0; r < NR; ++r) pr[r] = _mm256_broadcast_ss(p + r * BLK + j);
     for (int x = 0; x < NV; ++x) {
@@ -135,15 +167,16 @@ inline void pv_cols(const float* p, const typename R::T* const* v, int ja, int j
 // (c0, c1 multiples of 16)
 template <int NR, typename R>
 inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int jb, int D,
-                    int c0, int c1, float* acc) {
+                    int c0, int c1, float* acc, LineStream* ls) {
 #if KVK_AVX2
   // 12 (8) accumulators: 16 registers with the rest; 6 when load8 holds constants (measured:
   // 12 spilled to the stack, and the store-reload chain cost 4-bit values ~15 % of a call)
   constexpr int NV = NR <= 3 && R::consts == 0 ? 4 : 2;
   int c = c0;
-  for (; c + 8 * NV <= c1; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc);
-  for (; c < c1; c += 16) pv_cols<NR, 2, R>(p, v, ja, jb, D, c, acc);
+  for (; c + 8 * NV <= c1; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc, ls);
+  for (; c < c1; c += 16) pv_cols<NR, 2, R>(p, v, ja, jb, D, c, acc, ls);
 #else
+  (void)ls;
   for (int j = ja; j < jb; ++j)
     for (int r = 0; r < NR; ++r)
       for (int c = c0; c < c1; ++c) acc[r * D + c] += p[r * BLK + j] * R::at(v[j], c);
@@ -154,16 +187,16 @@ inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int j
 // given; multiples of 8).
 template <typename R = FloatRows>
 inline void qk_rows(const float* q, int rows, const typename R::T* const* k, int ja, int jb,
-                    int D, float* sc, int c0 = 0, int c1 = -1) {
+                    int D, float* sc, int c0 = 0, int c1 = -1, LineStream* ls = nullptr) {
   if (c1 < 0) c1 = D;
   for (int r = 0; r < rows; r += 4) {
     const float* qr = q + r * D;
     float* s = sc + r * BLK;
     switch (rows - r < 4 ? rows - r : 4) {
-      case 1: qk_tile<1, R>(qr, k, ja, jb, D, c0, c1, s); break;
-      case 2: qk_tile<2, R>(qr, k, ja, jb, D, c0, c1, s); break;
-      case 3: qk_tile<3, R>(qr, k, ja, jb, D, c0, c1, s); break;
-      default: qk_tile<4, R>(qr, k, ja, jb, D, c0, c1, s); break;
+      case 1: qk_tile<1, R>(qr, k, ja, jb, D, c0, c1, s, ls); break;
+      case 2: qk_tile<2, R>(qr, k, ja, jb, D, c0, c1, s, ls); break;
+      case 3: qk_tile<3, R>(qr, k, ja, jb, D, c0, c1, s, ls); break;
+      default: qk_tile<4, R>(qr, k, ja, jb, D, c0, c1, s, ls); break;
     }
   }
 }
@@ -171,16 +204,16 @@ inline void qk_rows(const float* q, int rows, const typename R::T* const* k, int
 // Columns [c0, c1) of the value sums (the whole row unless given)
 template <typename R = FloatRows>
 inline void pv_rows(const float* p, int rows, const typename R::T* const* v, int ja, int jb,
-                    int D, float* acc, int c0 = 0, int c1 = -1) {
+                    int D, float* acc, int c0 = 0, int c1 = -1, LineStream* ls = nullptr) {
   if (c1 < 0) c1 = D;
   for (int r = 0; r < rows; r += 4) {
     const float* pr = p + r * BLK;
     float* a = acc + r * D;
     switch (rows - r < 4 ? rows - r : 4) {
-      case 1: pv_tile<1, R>(pr, v, ja, jb, D, c0, c1, a); break;
-      case 2: pv_tile<2, R>(pr, v, ja, jb, D, c0, c1, a); break;
-      case 3: pv_tile<3, R>(pr, v, ja, jb, D, c0, c1, a); break;
-      default: pv_tile<4, R>(pr, v, ja, jb, D, c0, c1, a); break;
+      case 1: pv_tile<1, R>(pr, v, ja, jb, D, c0, c1, a, ls); break;
+      case 2: pv_tile<2, R>(pr, v, ja, jb, D, c0, c1, a, ls); break;
+      case 3: pv_tile<3, R>(pr, v, ja, jb, D, c0, c1, a, ls); break;
+      default: pv_tile<4, R>(pr, v, ja, jb, D, c0, c1, a, ls); break;
     }
   }
 }
