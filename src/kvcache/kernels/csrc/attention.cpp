@@ -199,13 +199,17 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         w.qsum[r * groups + gr] = qs;
       }
   }
-  w.next.resize(2 * BLK);
+  // cells of the tile from b0: at most BLK, cut where rows change from window to codes
+  auto tile_len = [&](int64_t b0) {
+    const int32_t* cells = plan.cells + b0;
+    const int n = (int)std::min<int64_t>(BLK, c1 - b0);
+    return std::min(uniform_prefix(kr, cells, n), uniform_prefix(vr, cells, n));
+  };
   bool fetched = false;  // this tile's code rows were fetched during the tile before
   int n = 0;
   for (int64_t b0 = c0; b0 < c1; b0 += n) {
     const int32_t* cells = plan.cells + b0;
-    n = (int)std::min<int64_t>(BLK, c1 - b0);  // cut where rows change from window to codes
-    n = std::min(uniform_prefix(kr, cells, n), uniform_prefix(vr, cells, n));
+    n = tile_len(b0);
     const int32_t* pos = plan.pos + b0;
     int a = n, b = 0;
     for (int64_t e = 0; e < ne; ++e) {  // visible cells of each entry: a run (sorted positions)
@@ -226,13 +230,12 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
       continue;
     }
     if (!fetched) w.sink += touch(kr, cells + a, b - a) + touch(vr, cells + a, b - a);
-    // the next tile (cut as the loop will cut it) is fetched while this one's math runs
+    // the next tile is fetched while this one's math runs
     LineStream* ls = nullptr;
     fetched = b0 + n < c1;
     if (fetched) {
       const int32_t* nc = cells + n;
-      int m = (int)std::min<int64_t>(BLK, c1 - b0 - n);
-      m = std::min(uniform_prefix(kr, nc, m), uniform_prefix(vr, nc, m));
+      const int m = tile_len(b0 + n);
       const int nk = code_row_starts(kr, nc, m, w.next.data());
       const int nv = code_row_starts(vr, nc, m, w.next.data() + nk);
       w.stream.reset(w.next.data(), nk, kr.data_cell, nk + nv, vr.data_cell);
@@ -465,6 +468,7 @@ void run(const Pass& p, const Partials& part) {
     w.vlow.resize(BLK * p.D);
     w.kdom.resize(BLK);
     w.vdom.resize(BLK);
+    w.next.resize(2 * BLK);
     for (int64_t item = next++; item < p.plan.S; item = next++)
       attend_item(p.plan, item, p.q, p.Hq, p.H, p.kr, p.vr, p.rope, p.scale, part, w);
   });

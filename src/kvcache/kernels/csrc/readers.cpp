@@ -88,7 +88,7 @@ inline uint64_t word8(const uint8_t* row, int64_t i, int64_t width) {
 #if KVK_AVX2
 template <int BITS>
 inline __m256i codes8(const uint8_t* row, int64_t i, int64_t width) {
-  if constexpr (BITS == 4) return nibbles8(row, i);  // the tile math's unpacker (simd.h)
+  if constexpr (BITS == 4) return nibbles8(row, i);  // simd.h's, as the kivi key decoder
   const uint64_t w = word8<BITS>(row, i, width);
   const __m256i sh_lo = _mm256_set_epi64x(3 * BITS, 2 * BITS, BITS, 0);
   const __m256i sh_hi = _mm256_set_epi64x(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS);
@@ -472,6 +472,8 @@ namespace {
 inline bool in_window(const Reader& r, int64_t c) {
   return r.window != nullptr && c < r.window_len && r.window[c] >= 0;
 }
+// whether cell c's row is read from the codes (what touch() and the line stream fetch)
+inline bool has_code_row(const Reader& r, int64_t c) { return c < r.rows && !in_window(r, c); }
 }  // namespace
 
 bool all_codes(const Reader& r, const int32_t* cells, int n) {
@@ -555,7 +557,7 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 #if KVK_AVX2
   __m256 any = _mm256_setzero_ps();
   for (int j = 0; j < n; ++j) {
-    if (cells[j] >= r.rows || in_window(r, cells[j])) continue;  // a window row: no codes
+    if (!has_code_row(r, cells[j])) continue;  // a window row: no codes
     const float* row = reinterpret_cast<const float*>(r.data + cells[j] * r.data_cell);
     const int64_t words = r.data_cell / 4;
     int64_t i = 0;
@@ -573,7 +575,7 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 int code_row_starts(const Reader& r, const int32_t* cells, int n, const char** rows) {
   int m = 0;
   for (int j = 0; j < n; ++j) {
-    if (cells[j] >= r.rows || in_window(r, cells[j])) continue;  // as touch(): no code row
+    if (!has_code_row(r, cells[j])) continue;
     rows[m++] = reinterpret_cast<const char*>(r.data + cells[j] * r.data_cell);
   }
   return m;

@@ -41,10 +41,8 @@ struct LineStream {
 };
 
 // Row kinds the tile math reads: 8 channels from c of a row as floats, in registers.
-// consts: vector registers load8 keeps busy with constants (fewer left for accumulators).
 struct FloatRows {  // float32 rows (storage or a decoded tile)
   using T = float;
-  static constexpr int consts = 0;
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) { return _mm256_loadu_ps(row + c); }
 #endif
@@ -52,7 +50,6 @@ struct FloatRows {  // float32 rows (storage or a decoded tile)
 };
 struct Int8Rows {  // int8 codes, used as they are: the caller applies each row's scale
   using T = int8_t;
-  static constexpr int consts = 0;
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + c))));
@@ -63,7 +60,6 @@ struct Int8Rows {  // int8 codes, used as they are: the caller applies each row'
 
 struct HalfRows {  // fp16 rows (fp16 storage or a recent window), converted as loaded
   using T = uint16_t;
-  static constexpr int consts = 0;
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + c)));
@@ -169,9 +165,9 @@ template <int NR, typename R>
 inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int jb, int D,
                     int c0, int c1, float* acc, LineStream* ls) {
 #if KVK_AVX2
-  // 12 (8) accumulators: 16 registers with the rest; 6 when load8 holds constants (measured:
-  // 12 spilled to the stack, and the store-reload chain cost 4-bit values ~15 % of a call)
-  constexpr int NV = NR <= 3 && R::consts == 0 ? 4 : 2;
+  // 12 (8) accumulators: 16 registers with the rest (a row kind that kept constants in
+  // registers spilled 12 to the stack: the store-reload chain cost ~15 % of a call)
+  constexpr int NV = NR <= 3 ? 4 : 2;
   int c = c0;
   for (; c + 8 * NV <= c1; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc, ls);
   for (; c < c1; c += 16) pv_cols<NR, 2, R>(p, v, ja, jb, D, c, acc, ls);
