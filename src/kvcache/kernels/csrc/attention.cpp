@@ -10,8 +10,8 @@
 // rows, or a shared prefix for the rows of every sequence that shares it. Work items are
 // segments (every KV head); each keeps, per entry and query head, a running max, sum and
 // weighted value sum over tiles of up to BLK cells (cut where a sequence's rows pass from the
-// codes to its fp16 window), the next tile's code rows fetched into L2 while a tile's math
-// runs (LineStream); a second pass merges a row's entries.
+// codes to its fp16 window), the next tile's rows fetched into L2 while a tile's math runs
+// (LineStream); a second pass merges a row's entries.
 //
 //   q [T, Hq, D] float32 (query head hq reads KV head hq / G)   ->   out [T, Hq, Dv] float32
 #include <ATen/Parallel.h>
@@ -49,10 +49,12 @@ struct Scratch {
   std::vector<const float*> krows, vrows;
   std::vector<const int8_t*> kcodes, vcodes;  // int8 tiles read from the codes
   std::vector<const uint8_t*> knib, vnib;     // 4-bit rows read from the codes
-  std::vector<uint8_t> kbytes, vbytes;        // [BLK, D]: those rows a code a byte
+  std::vector<uint8_t> vbytes;                // [BLK, D]: value rows a code a byte
   std::vector<const uint16_t*> khalf, vhalf;  // fp16 rows (window or fp16 storage)
-  std::vector<float> kscale, klow, vscale, vlow, pw, part, dots;
+  std::vector<float> kscale, klow, vscale, vlow, pw, dots;
   std::vector<float> qsum;  // [H * R, groups]: the scaled query's sums over key channel groups
+  std::vector<int16_t> q16;   // [H * R, D]: the scaled query in int16 steps, for 4-bit keys
+  std::vector<float> qscale;  // [H * R]: ... their size (tiles.h, quantize_query16)
   std::vector<uint8_t> kdom, vdom;
   std::vector<int> ja, jb;
   std::vector<const char*> next;  // [2 * BLK] the next tile's K rows, then its V rows
@@ -68,6 +70,10 @@ bool affine4_direct(const Reader& r, int64_t step) {
   return r.kind == AFFINE_ROWS && r.bits == 4 && (r.D / r.scale_head) % step == 0;
 }
 
+// 4-bit affine keys scored against int16 queries (qk4_rows): blocks of 64 channels whose
+// halves each lie in one channel group
+bool affine4_keys_direct(const Reader& r) { return affine4_direct(r, 32) && r.D % 64 == 0; }
+
 // Rows [a, b) of 4-bit codes, a byte each: rows[j] -> bytes + j * D, read as int8 rows
 void unpack_rows(const uint8_t* const* packed, int a, int b, int64_t D, uint8_t* bytes,
                  const int8_t** rows) {
@@ -82,7 +88,7 @@ Direct direct_keys(const Reader& kr, const int32_t* cells, int n) {
   if (!KVK_AVX2 || kr.pre_rope) return Direct::NONE;
   if (all_half(kr, cells, n)) return Direct::HALF;
   if (kr.kind == INT8) return all_codes(kr, cells, n) ? Direct::INT8 : Direct::NONE;
-  if (affine4_direct(kr, 8) && all_codes(kr, cells, n)) return Direct::AFFINE4;
+  if (affine4_keys_direct(kr) && all_codes(kr, cells, n)) return Direct::AFFINE4;
   return Direct::NONE;
 }
 
@@ -97,32 +103,27 @@ Direct direct_values(const Reader& vr, const int32_t* cells, int n) {
 }
 
 // Scores of head h from 4-bit affine key codes (k = code * scale + low per group of channels,
-// plus the sequence's key centre): per group, the dots with the codes times the cells' scales,
-// plus the cells' minimums times the query's sum over the group; then the centre's dot.
+// plus the sequence's key centre): the codes against the int16 query, each group's part times
+// the cells' scales (qk4_rows), plus the cells' minimums times the query's sum over each group;
+// then the centre's dot.
 void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int b, int64_t ne,
                   int64_t G, int64_t D, Scratch& w, LineStream* ls) {
   affine4_rows(kr, h, cells, a, b, w.knib.data(), w.kscale.data(), w.klow.data());
-  unpack_rows(w.knib.data(), a, b, D, w.kbytes.data(), w.kcodes.data());
   const int64_t groups = kr.scale_head, width = D / groups;
   for (int64_t e = 0; e < ne; ++e) {
     const int ja = w.ja[e], jb = w.jb[e];
     if (ja >= jb) continue;
-    const float* q0 = w.q.data() + (h * ne + e) * G * D;
+    const int64_t r0 = (h * ne + e) * G;
+    const float* q0 = w.q.data() + r0 * D;
     float* sc0 = w.sc.data() + e * G * BLK;
+    qk4_rows(w.q16.data() + r0 * D, w.qscale.data() + r0, (int)G, (int)D, w.knib.data(), ja, jb,
+             w.kscale.data(), (int)width, sc0, ls);
     for (int64_t gr = 0; gr < groups; ++gr) {
-      float* dst = gr == 0 ? sc0 : w.part.data();
-      qk_rows<Int8Rows>(q0, (int)G, w.kcodes.data(), ja, jb, (int)D, dst, (int)(gr * width),
-                        (int)((gr + 1) * width), ls);
-      const float* s = w.kscale.data() + gr * BLK;
       const float* lo = w.klow.data() + gr * BLK;
       for (int64_t g = 0; g < G; ++g) {
-        const float qs = w.qsum[((h * ne + e) * G + g) * groups + gr];
+        const float qs = w.qsum[(r0 + g) * groups + gr];
         float* sc = sc0 + g * BLK;
-        const float* pt = dst + g * BLK;
-        if (gr == 0)
-          for (int j = ja; j < jb; ++j) sc[j] = pt[j] * s[j] + lo[j] * qs;
-        else
-          for (int j = ja; j < jb; ++j) sc[j] += pt[j] * s[j] + lo[j] * qs;
+        for (int j = ja; j < jb; ++j) sc[j] += lo[j] * qs;
       }
     }
     if (kr.meta_a != nullptr)
@@ -175,7 +176,6 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
   if (vr.rotated) w.accr.assign(H * R * Dv, 0.f);
   w.sc.resize(R * BLK);
   w.pw.resize(G * BLK);
-  w.part.resize(G * BLK);
   w.dots.resize(G);
   w.ja.resize(ne);
   w.jb.resize(ne);
@@ -189,15 +189,19 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
       }
     }
   }
-  if (affine4_direct(kr, 8)) {  // the minimums' part of 4-bit key scores
-    const int64_t groups = kr.scale_head, width = D / groups;
+  if (KVK_AVX2 && affine4_keys_direct(kr)) {  // 4-bit keys: the query rounded to int16 (for
+    const int64_t groups = kr.scale_head, width = D / groups;  // every tile), its group sums
     w.qsum.resize(H * R * groups);
-    for (int64_t r = 0; r < H * R; ++r)
+    w.q16.resize(H * R * D);
+    w.qscale.resize(H * R);
+    for (int64_t r = 0; r < H * R; ++r) {
+      w.qscale[r] = quantize_query16(w.q.data() + r * D, (int)D, w.q16.data() + r * D);
       for (int64_t gr = 0; gr < groups; ++gr) {
         float qs = 0.f;
         for (int64_t i = gr * width; i < (gr + 1) * width; ++i) qs += w.q[r * D + i];
         w.qsum[r * groups + gr] = qs;
       }
+    }
   }
   // cells of the tile from b0: at most BLK, cut where rows change from window to codes
   auto tile_len = [&](int64_t b0) {
@@ -236,9 +240,10 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
     if (fetched) {
       const int32_t* nc = cells + n;
       const int m = tile_len(b0 + n);
-      const int nk = code_row_starts(kr, nc, m, w.next.data());
-      const int nv = code_row_starts(vr, nc, m, w.next.data() + nk);
-      w.stream.reset(w.next.data(), nk, kr.data_cell, nk + nv, vr.data_cell);
+      int64_t kbytes = 0, vbytes = 0;
+      const int nk = row_starts(kr, nc, m, w.next.data(), &kbytes);
+      const int nv = row_starts(vr, nc, m, w.next.data() + nk, &vbytes);
+      w.stream.reset(w.next.data(), nk, kbytes, nk + nv, vbytes);
       ls = &w.stream;
     }
     // Rows read as stored, without a decoded tile: fp16 rows (fp16 storage or the recent
@@ -460,7 +465,6 @@ void run(const Pass& p, const Partials& part) {
     w.khalf.resize(BLK);
     w.vhalf.resize(BLK);
     w.vnib.resize(BLK);
-    w.kbytes.resize(BLK * p.D);
     w.vbytes.resize(BLK * p.D);
     w.kscale.resize(BLK * p.D);  // [groups, BLK] for 4-bit rows (groups <= D)
     w.klow.resize(BLK * p.D);

@@ -472,8 +472,20 @@ namespace {
 inline bool in_window(const Reader& r, int64_t c) {
   return r.window != nullptr && c < r.window_len && r.window[c] >= 0;
 }
-// whether cell c's row is read from the codes (what touch() and the line stream fetch)
-inline bool has_code_row(const Reader& r, int64_t c) { return c < r.rows && !in_window(r, c); }
+// The stored row of cell c that the kernel reads (all H heads): its fp16 window row or its code
+// row, and its length in bytes; nullptr for a cell with neither (what touch() and the line
+// stream fetch)
+inline const char* stored_row(const Reader& r, int64_t c, int64_t* bytes) {
+  if (in_window(r, c)) {
+    const int32_t slot = r.window[c];
+    if (slot < 0 || slot >= r.residual_rows) return nullptr;  // half_rows reports it
+    *bytes = r.H * r.D * 2;
+    return reinterpret_cast<const char*>(r.residual + (int64_t)slot * r.H * r.D);
+  }
+  if (c >= r.rows) return nullptr;
+  *bytes = r.data_cell;
+  return reinterpret_cast<const char*>(r.data + c * r.data_cell);
+}
 }  // namespace
 
 bool all_codes(const Reader& r, const int32_t* cells, int n) {
@@ -557,9 +569,10 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 #if KVK_AVX2
   __m256 any = _mm256_setzero_ps();
   for (int j = 0; j < n; ++j) {
-    if (!has_code_row(r, cells[j])) continue;  // a window row: no codes
-    const float* row = reinterpret_cast<const float*>(r.data + cells[j] * r.data_cell);
-    const int64_t words = r.data_cell / 4;
+    int64_t bytes = 0;
+    const float* row = reinterpret_cast<const float*>(stored_row(r, cells[j], &bytes));
+    if (row == nullptr) continue;
+    const int64_t words = bytes / 4;
     int64_t i = 0;
     for (; i + 16 <= words; i += 16)  // every 64-byte line, as two 32-byte loads
       any = _mm256_or_ps(any, _mm256_or_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(row + i + 8)));
@@ -572,11 +585,16 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 #endif
 }
 
-int code_row_starts(const Reader& r, const int32_t* cells, int n, const char** rows) {
+int row_starts(const Reader& r, const int32_t* cells, int n, const char** rows,
+               int64_t* row_bytes) {
   int m = 0;
+  *row_bytes = 0;
   for (int j = 0; j < n; ++j) {
-    if (!has_code_row(r, cells[j])) continue;
-    rows[m++] = reinterpret_cast<const char*>(r.data + cells[j] * r.data_cell);
+    int64_t bytes = 0;
+    const char* row = stored_row(r, cells[j], &bytes);
+    if (row == nullptr) continue;
+    rows[m++] = row;
+    *row_bytes = std::max(*row_bytes, bytes);
   }
   return m;
 }

@@ -101,8 +101,9 @@ void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b
 void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                        const float* q, int rows, float* dots, float* sc);
 
-// Load the code rows [H, *] of cells[0:n] (the tile about to be computed) in one tight pass,
-// every line once, and return a value that depends on them (so the loads are kept). A tile's
+// Load the stored rows [H, *] (fp16 window rows or code rows) of cells[0:n] (the tile about
+// to be computed) in one tight pass, every line once, and return a value that depends on them
+// (so the loads are kept). A tile's
 // math interleaves few loads with much arithmetic, which keeps few cache misses in flight;
 // this pass keeps many (measured: 11 vs 7 GB/s a thread over a tile loop that fetches as it
 // computes). The math then reads the tile from cache. Used for a work item's first tile
@@ -111,10 +112,12 @@ void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, 
 // prefetches one tile ahead waited on the same miss buffers as this pass).
 float touch(const Reader& r, const int32_t* cells, int n);
 
-// The start of each code row of cells[0:n] that touch() would read (cells with codes, not in
-// an fp16 window), into rows; how many. The kernel fetches the next tile's rows through them
-// while it computes this one (LineStream).
-int code_row_starts(const Reader& r, const int32_t* cells, int n, const char** rows);
+// The start of each stored row of cells[0:n] that touch() would read (fp16 window rows or code
+// rows), into rows; how many; *row_bytes: the longest row's length (a tile's rows are all of
+// one kind: uniform_prefix). The kernel fetches the next tile's rows through them while it
+// computes this one (LineStream).
+int row_starts(const Reader& r, const int32_t* cells, int n, const char** rows,
+               int64_t* row_bytes);
 
 // Inverse turbo rotation in place: y [P] -> x [D] (fwht(y) * signs, first D entries).
 void turbo_unrotate(const float* signs, float* y, int64_t P);

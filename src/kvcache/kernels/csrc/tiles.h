@@ -11,8 +11,8 @@ namespace kvk {
 
 constexpr int BLK = 64;  // cells per tile
 
-// Cache lines to fetch while the tile math runs (the next tile's code rows: its keys', then
-// its values'): the math's inner loops call step(), two lines at a time, so that the misses
+// Cache lines to fetch while the tile math runs (the next tile's stored rows, fp16 window or
+// codes: its keys', then its values'): the math's inner loops call step(), two lines at a time, so that the misses
 // overlap the arithmetic instead of waiting in a pass of their own (touch()); finish() asks
 // for what the math did not reach.
 struct LineStream {
@@ -196,6 +196,140 @@ inline void qk_rows(const float* q, int rows, const typename R::T* const* k, int
     }
   }
 }
+
+// ---- 4-bit key codes against int16 queries ---------------------------------------------
+// Scores from 4-bit affine key codes without turning the codes into floats: each query row is
+// rounded once per work item to int16 steps (q16 = round(q / qscale), qscale = max|q| / 32767,
+// the row itself replaced by q16 * qscale, so that every score of the work item, from codes,
+// minimums, key centres or fp16 window rows, is the rounded query's dot with the decoded key),
+// laid out in the order split_nibbles64 leaves a row's codes in, and every code row meets it
+// in vpmaddwd (16 products an instruction, summed in pairs into int32; vpdpwssd where the CPU
+// has AVX-VNNI). The rounding moves each query channel by at most max|q| / 65534.
+//   q16 layout, per block b of 64 channels: q16[b * 64 + k * 16 + L * 8 + w] = channel
+//   b * 64 + 32 L + 4 w + k  (k < 4, L < 2 the 128-bit lane, w < 8 the 16-bit word)
+
+// Query row q [D] (D a multiple of 64) rounded in place; q16 [D] in the layout above; returns
+// qscale.
+inline float quantize_query16(float* q, int D, int16_t* q16) {
+  float top = 0.f;
+  for (int c = 0; c < D; ++c) top = std::max(top, std::fabs(q[c]));
+  if (top == 0.f) {
+    std::fill(q16, q16 + D, (int16_t)0);
+    return 0.f;
+  }
+  const float qscale = top / 32767.f, inv = 32767.f / top;
+  for (int b = 0; b < D; b += 64)
+    for (int k = 0; k < 4; ++k)
+      for (int L = 0; L < 2; ++L)
+        for (int w = 0; w < 8; ++w) {
+          const int c = b + 32 * L + 4 * w + k;
+          const float steps = std::nearbyint(q[c] * inv);
+          q16[b + k * 16 + L * 8 + w] = (int16_t)steps;
+          q[c] = steps * qscale;
+        }
+  return qscale;
+}
+
+#if KVK_AVX2
+// The 4-bit codes of 64 channels (32 bytes, channel 2i in byte i's low nibble) as four int16
+// registers: word w of lane L of x[k] holds channel 32 L + 4 w + k (the q16 layout).
+inline void split_nibbles64(const uint8_t* row, __m256i x[4]) {
+  const __m256i b = _mm256_loadu_si256((const __m256i*)row), m = _mm256_set1_epi16(15);
+  x[0] = _mm256_and_si256(b, m);
+  x[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+  x[2] = _mm256_and_si256(_mm256_srli_epi16(b, 8), m);
+  x[3] = _mm256_srli_epi16(b, 12);
+}
+
+// Per 128-bit lane L, int32 partial sums of sum_c code_c * q16_c over the block's 32 channels
+// 32 L .. 32 L + 31 (their total is the lane's horizontal sum)
+inline __m256i dot16x4(const __m256i x[4], const int16_t* q16) {
+  const __m256i* q = reinterpret_cast<const __m256i*>(q16);
+#if defined(__AVXVNNI__)
+  __m256i s = _mm256_madd_epi16(x[0], _mm256_loadu_si256(q));
+  s = _mm256_dpwssd_avx_epi32(s, x[1], _mm256_loadu_si256(q + 1));
+  s = _mm256_dpwssd_avx_epi32(s, x[2], _mm256_loadu_si256(q + 2));
+  return _mm256_dpwssd_avx_epi32(s, x[3], _mm256_loadu_si256(q + 3));
+#else
+  const __m256i s0 = _mm256_madd_epi16(x[0], _mm256_loadu_si256(q));
+  const __m256i s1 = _mm256_madd_epi16(x[1], _mm256_loadu_si256(q + 1));
+  const __m256i s2 = _mm256_madd_epi16(x[2], _mm256_loadu_si256(q + 2));
+  const __m256i s3 = _mm256_madd_epi16(x[3], _mm256_loadu_si256(q + 3));
+  return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+#endif
+}
+
+// Block b's part of the scores of NR rows against cells j .. j + 3: sums for lane 0 and lane 1
+// of four cells reduced together (hadd keeps lanes apart), each lane times its channel group's
+// scale, times the row's qscale; written (first block) or added.
+template <int NR>
+inline void qk4_cells4(const int16_t* q16, const float* qscale, int D,
+                       const uint8_t* const* k, int j, int b, const float* s0, const float* s1,
+                       bool first, float* sc, LineStream* ls) {
+  __m256i h[2][NR];
+  for (int p = 0; p < 2; ++p) {
+    if (ls != nullptr) ls->step();
+    __m256i xa[4], xb[4];
+    split_nibbles64(k[j + 2 * p] + b / 2, xa);
+    split_nibbles64(k[j + 2 * p + 1] + b / 2, xb);
+    for (int r = 0; r < NR; ++r)
+      h[p][r] = _mm256_hadd_epi32(dot16x4(xa, q16 + r * D + b), dot16x4(xb, q16 + r * D + b));
+  }
+  const __m128 sa = _mm_loadu_ps(s0 + j), sb = _mm_loadu_ps(s1 + j);
+  for (int r = 0; r < NR; ++r) {
+    // lane 0: channels b .. b + 31 of cells j .. j + 3; lane 1: channels b + 32 .. b + 63
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_hadd_epi32(h[0][r], h[1][r]));
+    __m128 v = _mm_mul_ps(_mm256_castps256_ps128(f), sa);
+    v = _mm_mul_ps(_mm_fmadd_ps(_mm256_extractf128_ps(f, 1), sb, v), _mm_set1_ps(qscale[r]));
+    float* out = sc + r * BLK + j;
+    _mm_storeu_ps(out, first ? v : _mm_add_ps(v, _mm_loadu_ps(out)));
+  }
+}
+
+template <int NR>
+inline void qk4_cell(const int16_t* q16, const float* qscale, int D, const uint8_t* const* k,
+                     int j, int b, const float* s0, const float* s1, bool first, float* sc) {
+  __m256i x[4];
+  split_nibbles64(k[j] + b / 2, x);
+  for (int r = 0; r < NR; ++r) {
+    __m256i t = dot16x4(x, q16 + r * D + b);
+    t = _mm256_hadd_epi32(t, t);
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_hadd_epi32(t, t));
+    const float v = qscale[r] * (_mm_cvtss_f32(_mm256_castps256_ps128(f)) * s0[j] +
+                                 _mm_cvtss_f32(_mm256_extractf128_ps(f, 1)) * s1[j]);
+    sc[r * BLK + j] = first ? v : sc[r * BLK + j] + v;
+  }
+}
+
+template <int NR>
+inline void qk4_tile(const int16_t* q16, const float* qscale, int D, const uint8_t* const* k,
+                     int ja, int jb, const float* scale, int width, float* sc, LineStream* ls) {
+  for (int b = 0; b < D; b += 64) {
+    const float* s0 = scale + (b / width) * BLK;  // the groups of the block's two lanes
+    const float* s1 = scale + ((b + 32) / width) * BLK;
+    int j = ja;
+    for (; j + 4 <= jb; j += 4) qk4_cells4<NR>(q16, qscale, D, k, j, b, s0, s1, b == 0, sc, ls);
+    for (; j < jb; ++j) qk4_cell<NR>(q16, qscale, D, k, j, b, s0, s1, b == 0, sc);
+  }
+}
+
+// sc[r * BLK + j] = qscale[r] * sum_c q16[r][c] * code_j[c] * scale[group(c) * BLK + j] for
+// r < rows, j in [ja, jb): 4-bit packed key rows k[j] (D / 2 bytes), groups of `width`
+// channels (a multiple of 32; D a multiple of 64), q16 rows as quantize_query16 leaves them.
+inline void qk4_rows(const int16_t* q16, const float* qscale, int rows, int D,
+                     const uint8_t* const* k, int ja, int jb, const float* scale, int width,
+                     float* sc, LineStream* ls = nullptr) {
+  for (int r = 0; r < rows; r += 3) {
+    const int16_t* q = q16 + r * D;
+    float* s = sc + r * BLK;
+    switch (rows - r < 3 ? rows - r : 3) {
+      case 1: qk4_tile<1>(q, qscale + r, D, k, ja, jb, scale, width, s, ls); break;
+      case 2: qk4_tile<2>(q, qscale + r, D, k, ja, jb, scale, width, s, ls); break;
+      default: qk4_tile<3>(q, qscale + r, D, k, ja, jb, scale, width, s, ls); break;
+    }
+  }
+}
+#endif
 
 // Columns [c0, c1) of the value sums (the whole row unless given)
 template <typename R = FloatRows>
