@@ -14,6 +14,7 @@ from kvcache import Batch, CausalCache
 from kvcache.cells import Cells
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
 from kvcache.kernels import AttentionPlan, RowBounds, grouped_attention
+from kvcache.kernels.attend import int16_steps
 from kvcache.models.rope import Rope
 
 H, G, D = 3, 3, 64
@@ -29,31 +30,22 @@ POLICIES = {
     "chunk": {"chunk": 96},
 }
 REL = 1e-5  # the kernels compute in float32 from the same codes the reference decodes
-
-
-def int16_query(q: torch.Tensor, scale: float) -> torch.Tensor:
-    """The query a kernel row scores 4-bit key codes with (kernels/csrc/tiles.h,
-    quantize_query16): each scaled row q * scale rounded to steps of max|q * scale| / 32767."""
-    qs = q.float() * scale
-    step = qs.abs().amax(dim=-1, keepdim=True) / 32767
-    step = torch.where(step > 0, step, torch.ones_like(step))
-    return (torch.round(qs * (1 / step)) * step).double() / scale
+ROUNDING = 5e-4  # what int4's int16 query steps may move the output (relative), at most
 
 
 def kernel_error(codec: str, q, out, keys, values, mask, scale: float) -> float:
     """Largest |out - reference| over the largest |reference|, the reference a float64 softmax
-    over the cache's own mask and decoded K/V. With 4-bit affine keys, the C++ kernel scores
-    with the query rounded to int16 steps (int16_query); rows attended elsewhere (prompt tiles
-    in torch) with the query as given: each row is held to whichever reference it matches
-    better, so a wrong score fails against both."""
-    ref = grouped_attention(q.double(), keys.double(), values.double(), mask, scale)
-    err = (out.double() - ref).abs().flatten(1).amax(dim=1)  # [T]
-    if codec.split("/")[0].split(":")[0] == "int4":
-        rounded = grouped_attention(
-            int16_query(q, scale), keys.double(), values.double(), mask, scale
-        )
-        err = torch.minimum(err, (out.double() - rounded).abs().flatten(1).amax(dim=1))
-    return (err.max() / ref.abs().max()).item()
+    over the cache's own mask and decoded K/V; with 4-bit affine keys, of the query rounded to
+    int16 steps (``int16_steps``), as the kernels score key codes, and the query as given must
+    stay within ROUNDING of it."""
+    exact = grouped_attention(q.double(), keys.double(), values.double(), mask, scale)
+    if codec.split("/")[0].split(":")[0] != "int4":
+        return ((out.double() - exact).abs().max() / exact.abs().max()).item()
+    rounded = int16_steps(q.float(), scale).double()
+    ref = grouped_attention(rounded, keys.double(), values.double(), mask, scale)
+    moved = ((ref - exact).abs().max() / exact.abs().max()).item()
+    assert 0 < moved < ROUNDING, f"the int16 steps moved the output by {moved:.2e}"
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
 class Recorder:

@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcache import Batch, CausalCache
 from kvcache.errors import CacheFullError, InvalidConfigError, NotSupportedError
+from kvcache.kernels.attend import int16_steps
 from kvcache.models.rope import Rope
 from reference.attention import softmax_attention
 from reference.codec_bounds import (
@@ -453,11 +454,14 @@ class CausalMachine(RuleBasedStateMachine):
     ) -> None:
         """attention() == a float64 softmax over each row's reference tokens, with the
         reference's own K/V (float storage), or, for codes, the rows decoded (checked against
-        the reference within the codec's bound by ``stored_rows_match``)."""
+        the reference within the codec's bound by ``stored_rows_match``); with 4-bit affine
+        keys, of the query rounded to int16 steps, as the kernels score key codes."""
         if self.config.kinds == ("float", "float"):
             keys, _, values, _ = self._expected(layer, held)
         else:
             keys, values = (x.double() for x in self.cache.read(layer, torch.tensor(held.cells)))
+        if self.config.kinds[0] == "int4":
+            q = int16_steps(q.float(), q.shape[-1] ** -0.5)
         want = softmax_attention(q.double(), keys, values, torch.from_numpy(visible), self.groups)
         err = (out.double() - want).abs().max().item()
         assert err <= REL * want.abs().max().item() + 1e-12, f"layer {layer}: attention off {err}"

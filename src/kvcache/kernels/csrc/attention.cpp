@@ -55,6 +55,8 @@ struct Scratch {
   std::vector<float> qsum;  // [H * R, groups]: the scaled query's sums over key channel groups
   std::vector<int16_t> q16;   // [H * R, D]: the scaled query in int16 steps, for 4-bit keys
   std::vector<float> qscale;  // [H * R]: ... their size (tiles.h, quantize_query16)
+  KiviKeys kivi;               // KIVI key rows read as they are
+  std::vector<float> ranges;   // [BLK, 2, D]: their records' channel ranges as floats
   std::vector<uint8_t> kdom, vdom;
   std::vector<int> ja, jb;
   std::vector<const char*> next;  // [2 * BLK] the next tile's K rows, then its V rows
@@ -63,7 +65,7 @@ struct Scratch {
 };
 
 // How a tile's keys or values are read when not decoded into a tile first (see attend_item).
-enum class Direct { NONE, INT8, AFFINE4, HALF };
+enum class Direct { NONE, INT8, AFFINE4, KIVI4, HALF };
 
 // 4-bit affine codes read as they are: groups of a multiple of `step` channels
 bool affine4_direct(const Reader& r, int64_t step) {
@@ -85,7 +87,10 @@ void unpack_rows(const uint8_t* const* packed, int a, int b, int64_t D, uint8_t*
 }
 
 Direct direct_keys(const Reader& kr, const int32_t* cells, int n) {
-  if (!KVK_AVX2 || kr.pre_rope) return Direct::NONE;
+  if (!KVK_AVX2) return Direct::NONE;
+  if (kr.kind == AFFINE_CHANNELS && kr.bits == 4 && kr.pre_rope && all_codes(kr, cells, n))
+    return Direct::KIVI4;
+  if (kr.pre_rope) return Direct::NONE;
   if (all_half(kr, cells, n)) return Direct::HALF;
   if (kr.kind == INT8) return all_codes(kr, cells, n) ? Direct::INT8 : Direct::NONE;
   if (affine4_keys_direct(kr) && all_codes(kr, cells, n)) return Direct::AFFINE4;
@@ -249,6 +254,7 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
     // Rows read as stored, without a decoded tile: fp16 rows (fp16 storage or the recent
     // window; converted as loaded), and when every row of the tile is in the codes: int8 keys
     // after RoPE (scores times the key scales), 4-bit affine keys after RoPE (affine4_keys),
+    // 4-bit KIVI keys before RoPE (decoded and rotated in registers as they are scored),
     // int8 values (weights times the value scales), 4-bit affine values (weights times each
     // group's scale, plus the weighted sum of the group minimums)
     const Direct kd = direct_keys(kr, cells + a, b - a);
@@ -260,6 +266,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         affine4_keys(kr, h, cells, a, b, ne, G, D, w, ls);
       else if (kd == Direct::HALF)
         half_rows(kr, h, cells, a, b, w.khalf.data());
+      else if (kd == Direct::KIVI4)
+        kivi4_keys(kr, h, cells, pos, a, b, rope, w.ranges.data(), w.kivi);
       else
         decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
       for (int64_t e = 0; e < ne; ++e) {
@@ -272,6 +280,10 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
                             -1, ls);
           for (int64_t g = 0; g < G; ++g)
             mul_rows(w.kscale.data() + ja, sc0 + g * BLK + ja, jb - ja);
+        } else if (kd == Direct::KIVI4) {
+#if KVK_AVX2
+          qk_kivi_rows(w.q.data() + r0 * D, (int)G, w.kivi, ja, jb, (int)D, sc0, ls);
+#endif
         } else if (kd == Direct::HALF) {
           qk_rows<HalfRows>(w.q.data() + r0 * D, (int)G, w.khalf.data(), ja, jb, (int)D, sc0, 0,
                             -1, ls);
@@ -470,6 +482,7 @@ void run(const Pass& p, const Partials& part) {
     w.klow.resize(BLK * p.D);
     w.vscale.resize(BLK * p.D);
     w.vlow.resize(BLK * p.D);
+    w.ranges.resize(BLK * 2 * p.D);
     w.kdom.resize(BLK);
     w.vdom.resize(BLK);
     w.next.resize(2 * BLK);

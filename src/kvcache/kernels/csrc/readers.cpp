@@ -376,15 +376,10 @@ void decode_affine_channels(const Tile& t, int a, int b) {
       const int64_t half = D / 2;
       const auto [cs, sn] = rope_rows(t.rope, t.pos[j], D);
       for (int64_t i = 0; i < half; i += 8) {
-        const __m256 x1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles8(row, i)),
-                                          _mm256_loadu_ps(range.a + i),
-                                          _mm256_loadu_ps(range.b + i));
-        const __m256 x2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles8(row, half + i)),
-                                          _mm256_loadu_ps(range.a + half + i),
-                                          _mm256_loadu_ps(range.b + half + i));
-        const __m256 cv = _mm256_loadu_ps(cs + i), sv = _mm256_loadu_ps(sn + i);
-        _mm256_storeu_ps(out + i, _mm256_fnmadd_ps(x2, sv, _mm256_mul_ps(x1, cv)));
-        _mm256_storeu_ps(out + half + i, _mm256_fmadd_ps(x1, sv, _mm256_mul_ps(x2, cv)));
+        __m256 r1, r2;
+        kivi_rotated8(row, range.a, range.b, cs, sn, i, half, &r1, &r2);
+        _mm256_storeu_ps(out + i, r1);
+        _mm256_storeu_ps(out + half + i, r2);
       }
       return false;  // rotated already
     }
@@ -548,6 +543,30 @@ void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b
       scale[g * BLK + j] = half_to_float(s0[at + g]);
       low[g * BLK + j] = half_to_float(l0[at + g]);
     }
+  }
+}
+
+void kivi4_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
+                int b, const Rope& rope, float* ranges, KiviKeys& t) {
+  TORCH_CHECK(r.kind == AFFINE_CHANNELS && r.bits == 4 && r.pre_rope,
+              "kvcache kernel: kivi4_keys of another codec");
+  const int64_t D = r.D;
+  code_rows(r, h, cells, a, b, t.rows);
+  int32_t meta = -1;
+  float* range = nullptr;
+  for (int j = a; j < b; ++j) {
+    const int32_t m = r.meta_of[cells[j]];
+    if (m != meta || m < 0) {  // a new record: its rows converted once
+      TORCH_CHECK(m >= 0 && m < r.meta_rows, "kvcache kernel: cell ", cells[j],
+                  " has no metadata (", m, ")");
+      range = range == nullptr ? ranges : range + 2 * D;
+      half_row(r.meta_a + (m * r.H + h) * D, range, (int)D);
+      half_row(r.meta_b + (m * r.H + h) * D, range + D, (int)D);
+      meta = m;
+    }
+    t.a[j] = range;
+    t.b[j] = range + D;
+    std::tie(t.cs[j], t.sn[j]) = rope_rows(rope, pos[j], D);
   }
 }
 

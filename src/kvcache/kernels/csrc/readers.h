@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "tiles.h"
 
 namespace kvk {
 
@@ -94,6 +95,13 @@ void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
 // add_centre_scores), for j in [a, b) (cells all in the codes).
 void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                   const uint8_t** rows, float* scale, float* low);
+
+// KIVI 4-bit keys stored before RoPE, read as they are (cells all in the codes): t.rows[j] ->
+// the packed codes of head h of cells[j], t.a / t.b its group record's channel scale and
+// minimum (converted to float once per record, into `ranges` [b - a, 2, D]), t.cs / t.sn the
+// cos / sin rows of pos[j]; for j in [a, b).
+void kivi4_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
+                int b, const Rope& rope, float* ranges, KiviKeys& t);
 
 // sc[g * BLK + j] += <q[g], centre of cells[j]> for g < rows, j in [a, b): the key-centre part
 // of scores read from centred codes. A record's dots are computed once while consecutive cells

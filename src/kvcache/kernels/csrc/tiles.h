@@ -197,6 +197,85 @@ inline void qk_rows(const float* q, int rows, const typename R::T* const* k, int
   }
 }
 
+// ---- KIVI keys stored before RoPE, scored as they are decoded -------------------------------
+// 4-bit codes with a scale and minimum per channel (of the cell's group record), rotated by
+// the cell's position: each 8 + 8 channel pair (i, i + D/2) of a key row is decoded and rotated
+// in registers and meets the query rows at once, so the rotated key is never stored.
+struct KiviKeys {
+  const uint8_t* rows[BLK];       // packed codes (channel 2i in byte i's low nibble)
+  const float *a[BLK], *b[BLK];   // the record's channel scale and minimum [D], as floats
+  const float *cs[BLK], *sn[BLK];  // the cos and sin rows [D/2] of the cell's position
+};
+
+#if KVK_AVX2
+// A KIVI key row's channels [i, i + 8) (*r1) and [i + D/2, ...) (*r2): codes times the channel
+// scales a plus the minimums b, rotated by the cos / sin rows (the decoder's one pass in
+// readers.cpp and the fused scores below)
+inline void kivi_rotated8(const uint8_t* row, const float* a, const float* b, const float* cs,
+                          const float* sn, int64_t i, int64_t half, __m256* r1, __m256* r2) {
+  const __m256 x1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles8(row, i)), _mm256_loadu_ps(a + i),
+                                    _mm256_loadu_ps(b + i));
+  const __m256 x2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles8(row, half + i)),
+                                    _mm256_loadu_ps(a + half + i), _mm256_loadu_ps(b + half + i));
+  const __m256 cv = _mm256_loadu_ps(cs + i), sv = _mm256_loadu_ps(sn + i);
+  *r1 = _mm256_fnmadd_ps(x2, sv, _mm256_mul_ps(x1, cv));
+  *r2 = _mm256_fmadd_ps(x1, sv, _mm256_mul_ps(x2, cv));
+}
+
+// Scores of NR <= 3 rows against NC (4 or 1) cells from j
+template <int NR, int NC>
+inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float* sc,
+                          LineStream* ls) {
+  const int half = D / 2;
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int i = 0; i < half; i += 8) {
+    if (ls != nullptr) ls->step();
+    for (int c = 0; c < NC; ++c) {
+      __m256 r1, r2;
+      kivi_rotated8(t.rows[j + c], t.a[j + c], t.b[j + c], t.cs[j + c], t.sn[j + c], i, half,
+                    &r1, &r2);
+      for (int r = 0; r < NR; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), r1, acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + half + i), r2, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    if constexpr (NC == 4) {
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
+                                      _mm256_hadd_ps(acc[r][2], acc[r][3]));
+      _mm_storeu_ps(sc + r * BLK + j,
+                    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    } else {
+      sc[r * BLK + j] = hsum8(acc[r][0]);
+    }
+  }
+}
+
+// sc[r * BLK + j] = <q[r], rotated key j> for r < rows, j in [ja, jb) (D a multiple of 16)
+inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
+                         float* sc, LineStream* ls) {
+  for (int r = 0; r < rows; r += 3) {
+    const float* qr = q + r * D;
+    float* s = sc + r * BLK;
+    const int nr = rows - r < 3 ? rows - r : 3;
+    int j = ja;
+    for (; j + 4 <= jb; j += 4) {
+      if (nr == 1) qk_kivi_cells<1, 4>(qr, t, j, D, s, ls);
+      else if (nr == 2) qk_kivi_cells<2, 4>(qr, t, j, D, s, ls);
+      else qk_kivi_cells<3, 4>(qr, t, j, D, s, ls);
+    }
+    for (; j < jb; ++j) {
+      if (nr == 1) qk_kivi_cells<1, 1>(qr, t, j, D, s, ls);
+      else if (nr == 2) qk_kivi_cells<2, 1>(qr, t, j, D, s, ls);
+      else qk_kivi_cells<3, 1>(qr, t, j, D, s, ls);
+    }
+  }
+}
+#endif
+
 // ---- 4-bit key codes against int16 queries ---------------------------------------------
 // Scores from 4-bit affine key codes without turning the codes into floats: each query row is
 // rounded once per work item to int16 steps (q16 = round(q / qscale), qscale = max|q| / 32767,
