@@ -4,6 +4,8 @@ every fp16 window; batch rows against each sequence alone; the plan's segments; 
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -189,6 +191,17 @@ def test_the_kernels_run_on_torchs_threads():
             assert extension().parallel_threads(8) == n
     finally:
         torch.set_num_threads(previous)
+
+
+def test_another_cpu_gets_its_own_kernel_build(monkeypatch: pytest.MonkeyPatch):
+    """The kernels are built with -march=native: a build folder shared by two machines (one
+    home on both) must not load one CPU's instructions on the other, so the CPU names it."""
+    from kvcache.kernels import build
+
+    here = build.build_dir()
+    assert platform.machine() in build._cpu_identity()
+    monkeypatch.setattr(build, "_cpu_identity", lambda: "another CPU")
+    assert build.build_dir() != here and build.build_dir().parent == here.parent
 
 
 def test_reserve_forward_allocates_and_returns_zeros():

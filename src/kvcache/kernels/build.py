@@ -3,8 +3,10 @@ decode-sized linear layers) with torch's extension builder.
 
 The extension is compiled once per machine (``-O3 -march=native``: AVX2/FMA/F16C where the
 CPU has them, plain loops otherwise) into ``$KVCACHE_KERNEL_DIR`` (default
-``~/.cache/kvcache/kernels``), under a name that hashes the sources, their folder, the flags
-and the torch version, so a changed source, another checkout or another torch builds anew.
+``~/.cache/kvcache/kernels``), under a name that hashes the sources, their folder, the flags,
+the torch version and the CPU (``-march=native`` code built on one CPU may use instructions
+another lacks: a home folder shared by two machines must not hand one the other's build), so a
+changed source, another checkout, another torch or another CPU builds anew.
 ``scripts/setup.sh`` builds it (``python -m kvcache.kernels``); otherwise the first attention
 call does (about a minute), never a timed step after that.
 It runs on torch's intra-op thread pool (``at::parallel_for``): ``torch.set_num_threads``
@@ -22,6 +24,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import platform
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +43,26 @@ def _source_dir() -> Path:
     return Path(__file__).resolve().parent / "csrc"
 
 
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux), else
+    what the platform module knows."""
+    model = flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = value.strip()
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return "|".join((platform.machine(), platform.processor(), model, flags))
+
+
 def _build_name() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
@@ -49,6 +72,7 @@ def _build_name() -> str:
     # checkouts of the same sources would rebuild each other's kernels on every load
     h.update(str(_source_dir()).encode())
     h.update(torch.__version__.encode())
+    h.update(_cpu_identity().encode())
     return f"kvcache_kernels_{h.hexdigest()[:12]}"
 
 
