@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kvcache.codecs.ints import AffineRowsCodec
+from kvcache.kernels.attend import int16_steps
+
 
 def render(mask: torch.Tensor) -> list[str]:
     """Mask [T, L] as one string per row: '0' = may attend, 'x' = masked (Ollama's 0/-inf)."""
@@ -25,3 +28,13 @@ def add_shift(layer: int, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Te
 def stored_keys(cache, layer: int) -> torch.Tensor:
     """Every cell's stored key of a layer, decoded: [N, H, D]."""
     return cache.storage.read(layer, slice(0, cache.num_cells))[0]
+
+
+def scoring_query(cache, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The query ``cache.attention`` scores with: with 4-bit affine keys (int4) the kernels meet
+    the codes in int16 products, every row rounded to int16 steps (``int16_steps``); the
+    query as given otherwise."""
+    codec = cache.key_codec
+    if isinstance(codec, AffineRowsCodec) and codec.bits == 4:
+        return int16_steps(q.float(), scale)
+    return q

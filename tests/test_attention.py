@@ -16,8 +16,8 @@ from kvcache import Batch, CausalCache
 from kvcache.cells import Cells
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
 from kvcache.kernels import AttentionPlan, RowBounds, grouped_attention
-from kvcache.kernels.attend import int16_steps
 from kvcache.models.rope import Rope
+from support import scoring_query
 
 H, G, D = 3, 3, 64
 ROPE = Rope(D, 10000.0)
@@ -35,16 +35,16 @@ REL = 1e-5  # the kernels compute in float32 from the same codes the reference d
 ROUNDING = 5e-4  # what int4's int16 query steps may move the output (relative), at most
 
 
-def kernel_error(codec: str, q, out, keys, values, mask, scale: float) -> float:
+def kernel_error(cache: CausalCache, q, out, keys, values, mask, scale: float) -> float:
     """Largest |out - reference| over the largest |reference|, the reference a float64 softmax
-    over the cache's own mask and decoded K/V; with 4-bit affine keys, of the query rounded to
-    int16 steps (``int16_steps``), as the kernels score key codes, and the query as given must
-    stay within ROUNDING of it."""
+    over the cache's own mask and decoded K/V, of the query the cache scores with (with 4-bit
+    affine keys rounded to int16 steps: ``scoring_query``), which must stay within ROUNDING of
+    the query as given."""
     exact = grouped_attention(q.double(), keys.double(), values.double(), mask, scale)
-    if codec.split("/")[0].split(":")[0] != "int4":
+    rounded = scoring_query(cache, q, scale)
+    if rounded is q:
         return ((out.double() - exact).abs().max() / exact.abs().max()).item()
-    rounded = int16_steps(q.float(), scale).double()
-    ref = grouped_attention(rounded, keys.double(), values.double(), mask, scale)
+    ref = grouped_attention(rounded.double(), keys.double(), values.double(), mask, scale)
     moved = ((ref - exact).abs().max() / exact.abs().max()).item()
     assert 0 < moved < ROUNDING, f"the int16 steps moved the output by {moved:.2e}"
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
@@ -53,8 +53,8 @@ def kernel_error(codec: str, q, out, keys, values, mask, scale: float) -> float:
 class Recorder:
     """Runs forwards on a cache and checks every layer's attention against the reference."""
 
-    def __init__(self, cache: CausalCache, codec: str, layers: int = 2, seed: int = 0) -> None:
-        self.cache, self.codec, self.layers = cache, codec, layers
+    def __init__(self, cache: CausalCache, layers: int = 2, seed: int = 0) -> None:
+        self.cache, self.layers = cache, layers
         self.g = torch.Generator().manual_seed(seed)
         self.worst = 0.0
         self.calls = 0
@@ -71,7 +71,7 @@ class Recorder:
             v = torch.randn(t, H, D, generator=self.g)
             out = self.cache.attention(layer, q, k, v)
             keys, values, mask = self.cache.get(layer)
-            err = kernel_error(self.codec, q, out, keys, values, mask, D**-0.5)
+            err = kernel_error(self.cache, q, out, keys, values, mask, D**-0.5)
             self.worst = max(self.worst, err)
             self.calls += 1
 
@@ -100,7 +100,7 @@ def test_kernel_equals_the_reference(codec: str, policy: str, monkeypatch: pytes
     cache = CausalCache(
         1024, max_sequences=4, max_batch=512, shift=ROPE, codec=codec, **POLICIES[policy]
     )
-    rec = Recorder(cache, codec)
+    rec = Recorder(cache)
     workload(rec)
     assert len(calls) == rec.calls  # every attention ran in the kernels
     assert rec.worst < REL, f"{codec} / {policy}: relative error {rec.worst:.2e}"
@@ -112,7 +112,7 @@ def test_every_segment_through_the_tile_path_or_the_kernel(
 ):
     for rows in (0, 10**9):  # all prompt tiles / everything in the C++ kernel
         monkeypatch.setattr(plan_module, "TILE_ROWS", rows)
-        rec = Recorder(CausalCache(1024, max_sequences=4, shift=ROPE, codec=codec), codec)
+        rec = Recorder(CausalCache(1024, max_sequences=4, shift=ROPE, codec=codec))
         workload(rec, decode_steps=2)
         assert rec.worst < REL, f"{codec}, TILE_ROWS={rows}: {rec.worst:.2e}"
 
@@ -174,7 +174,7 @@ def test_kernel_for_every_query_group_and_thread_count(
         k, v = torch.randn(2, 5, H, dim, generator=g)
         out = cache.attention(0, q, k, v)
         keys, values, mask = cache.get(0)
-        assert kernel_error(codec, q, out, keys, values, mask, dim**-0.5) < REL
+        assert kernel_error(cache, q, out, keys, values, mask, dim**-0.5) < REL
     finally:
         torch.set_num_threads(previous)
 

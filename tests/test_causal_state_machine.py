@@ -31,7 +31,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcache import Batch, CausalCache
 from kvcache.errors import CacheFullError, InvalidConfigError, NotSupportedError
-from kvcache.kernels.attend import int16_steps
 from kvcache.models.rope import Rope
 from reference.attention import softmax_attention
 from reference.codec_bounds import (
@@ -44,7 +43,7 @@ from reference.codec_bounds import (
 )
 from reference.ollama_causal import FULL, NOT_SUPPORTED, OllamaCausal, Token
 from reference.recent_rows import RecentRows
-from support import add_shift
+from support import add_shift, scoring_query
 
 SEQS = st.integers(0, 3)
 ROLES = ("key", "value")
@@ -460,8 +459,7 @@ class CausalMachine(RuleBasedStateMachine):
             keys, _, values, _ = self._expected(layer, held)
         else:
             keys, values = (x.double() for x in self.cache.read(layer, torch.tensor(held.cells)))
-        if self.config.kinds[0] == "int4":
-            q = int16_steps(q.float(), q.shape[-1] ** -0.5)
+        q = scoring_query(self.cache, q, q.shape[-1] ** -0.5)
         want = softmax_attention(q.double(), keys, values, torch.from_numpy(visible), self.groups)
         err = (out.double() - want).abs().max().item()
         assert err <= REL * want.abs().max().item() + 1e-12, f"layer {layer}: attention off {err}"

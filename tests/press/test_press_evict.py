@@ -16,11 +16,13 @@ from kvcache.kernels import grouped_attention
 from kvcache.models.llama import Llama
 from kvcache.models.rope import Rope
 from kvcache.press import PRESSES, make_press, total_compression
+from support import scoring_query
 
 H, G, D, LAYERS = 3, 3, 64, 2
 ROPE = Rope(D, 10000.0)
 CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "kivi4", "turbo4", "int8/int4"]
-REL = 1e-5  # kernels in float32 vs the float64 reference over the same decoded codes
+REL = 1e-5  # kernels in float32 vs the float64 reference over the same decoded codes (and the
+# query the cache scores with: support.scoring_query)
 
 
 class Driver:
@@ -42,7 +44,8 @@ class Driver:
             v = torch.randn(t, H, D, generator=self.g)
             out = self.cache.attention(layer, q, k, v)
             keys, values, mask = self.cache.get(layer)
-            ref = grouped_attention(q.double(), keys.double(), values.double(), mask, D**-0.5)
+            qs = scoring_query(self.cache, q, D**-0.5).double()
+            ref = grouped_attention(qs, keys.double(), values.double(), mask, D**-0.5)
             err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
             self.worst = max(self.worst, err)
 
