@@ -52,6 +52,15 @@ inline void apply_rope(const Rope& rope, int64_t pos, float* x, int64_t D) {
 }
 
 // A metadata record's rows [D] converted to float, kept while cells share the record.
+// the rows [D] of head h of record m (cell c's) from tables ta (and tb) as floats into a (b)
+void record_rows(const Reader& r, int64_t c, int32_t m, int64_t h, const uint16_t* ta,
+                 const uint16_t* tb, float* a, float* b) {
+  TORCH_CHECK(m >= 0 && m < r.meta_rows, "kvcache kernel: cell ", c, " has no metadata (", m,
+              ")");
+  half_row(ta + (m * r.H + h) * r.D, a, (int)r.D);
+  if (tb != nullptr) half_row(tb + (m * r.H + h) * r.D, b, (int)r.D);
+}
+
 struct Record {
   int32_t meta = -1;
   float a[256], b[256];
@@ -60,10 +69,7 @@ struct Record {
   void load(const Reader& r, int64_t c, int64_t h, const uint16_t* ta, const uint16_t* tb) {
     const int32_t m = r.meta_of[c];
     if (m == meta && m >= 0) return;  // (a cell without a record fails below, never reuses)
-    TORCH_CHECK(m >= 0 && m < r.meta_rows, "kvcache kernel: cell ", c, " has no metadata (", m,
-                ")");
-    half_row(ta + (m * r.H + h) * r.D, a, (int)r.D);
-    if (tb != nullptr) half_row(tb + (m * r.H + h) * r.D, b, (int)r.D);
+    record_rows(r, c, m, h, ta, tb, a, b);
     meta = m;
   }
 };
@@ -557,11 +563,8 @@ void kivi4_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t*
   for (int j = a; j < b; ++j) {
     const int32_t m = r.meta_of[cells[j]];
     if (m != meta || m < 0) {  // a new record: its rows converted once
-      TORCH_CHECK(m >= 0 && m < r.meta_rows, "kvcache kernel: cell ", cells[j],
-                  " has no metadata (", m, ")");
       range = range == nullptr ? ranges : range + 2 * D;
-      half_row(r.meta_a + (m * r.H + h) * D, range, (int)D);
-      half_row(r.meta_b + (m * r.H + h) * D, range + D, (int)D);
+      record_rows(r, cells[j], m, h, r.meta_a, r.meta_b, range, range + D);
       meta = m;
     }
     t.a[j] = range;

@@ -111,9 +111,8 @@ void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, 
 
 // Load the stored rows [H, *] (fp16 window rows or code rows) of cells[0:n] (the tile about
 // to be computed) in one tight pass, every line once, and return a value that depends on them
-// (so the loads are kept). A tile's
-// math interleaves few loads with much arithmetic, which keeps few cache misses in flight;
-// this pass keeps many (measured: 11 vs 7 GB/s a thread over a tile loop that fetches as it
+// (so the loads are kept). A tile's math interleaves few loads with much arithmetic, which
+// keeps few cache misses in flight; this pass keeps many (measured: 11 vs 7 GB/s a thread over a tile loop that fetches as it
 // computes). The math then reads the tile from cache. Used for a work item's first tile
 // only: the tiles after it are fetched during the math of the tile before (LineStream, its
 // prefetches spread over the inner loops: fp32 at 8k, 2 threads, 21 vs 17 GB/s; a burst of

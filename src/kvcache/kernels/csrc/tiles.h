@@ -12,9 +12,9 @@ namespace kvk {
 constexpr int BLK = 64;  // cells per tile
 
 // Cache lines to fetch while the tile math runs (the next tile's stored rows, fp16 window or
-// codes: its keys', then its values'): the math's inner loops call step(), two lines at a time, so that the misses
-// overlap the arithmetic instead of waiting in a pass of their own (touch()); finish() asks
-// for what the math did not reach.
+// codes: its keys', then its values'): the math's inner loops call step(), two lines at a
+// time, so that the misses overlap the arithmetic instead of waiting in a pass of their own
+// (touch()); finish() asks for what the math did not reach.
 struct LineStream {
   const char* const* rows = nullptr;  // row starts
   int split = 0, n = 0;               // rows [0, split) are key rows, [split, n) value rows
@@ -69,6 +69,12 @@ struct HalfRows {  // fp16 rows (fp16 storage or a recent window), converted as 
 };
 
 #if KVK_AVX2
+// the sums of four registers' 8 floats each, reduced together (3 hadds, not 4 horizontal sums)
+inline __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 template <int NR, int NC, typename R>
 inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
                      float* sc) {
@@ -104,12 +110,8 @@ inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int 
       for (int r = 0; r < NR; ++r) acc[r][i] = _mm256_fmadd_ps(qv[r], kv, acc[r][i]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
-                                    _mm256_hadd_ps(acc[r][2], acc[r][3]));
-    _mm_storeu_ps(sc + r * BLK + j,
-                  _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-  }
+  for (int r = 0; r < NR; ++r)
+    _mm_storeu_ps(sc + r * BLK + j, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 #endif
 
@@ -244,10 +246,7 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
   }
   for (int r = 0; r < NR; ++r) {
     if constexpr (NC == 4) {
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
-                                      _mm256_hadd_ps(acc[r][2], acc[r][3]));
-      _mm_storeu_ps(sc + r * BLK + j,
-                    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+      _mm_storeu_ps(sc + r * BLK + j, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
     } else {
       sc[r * BLK + j] = hsum8(acc[r][0]);
     }
