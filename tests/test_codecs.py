@@ -18,6 +18,7 @@ from kvcache import Batch, CausalCache
 from kvcache.codecs import CODECS, make_codec
 from kvcache.codecs.pack import unpack, unpack4
 from kvcache.errors import InvalidConfigError
+from kvcache.models.rope import Rope
 from reference.codec_bounds import FP16, group_step
 from support import render
 
@@ -355,10 +356,16 @@ def test_compressed_cache_keeps_float_semantics_beyond_the_windows(spec):
         assert mask_r == mask_g and hist_r == hist_g
 
 
+@pytest.mark.parametrize("shift", ["plain", "rotary"])
 @pytest.mark.parametrize("spec", ["turbo4", "turbo3"])
-def test_turbo_keeps_float_semantics_beyond_the_windows(spec):
-    got_cache = CausalCache(700, max_sequences=4, shift=rope_like, codec=spec)
-    ref_cache = CausalCache(700, max_sequences=4, shift=rope_like, key_rope=got_cache.key_rope)
+def test_turbo_keeps_float_semantics_beyond_the_windows(spec, shift):
+    """A plain shift function: keys stored before RoPE; a rotary one (a Rope): keys stored
+    after RoPE, centred in its frame, re-encoded by the middle remove."""
+    fn = rope_like if shift == "plain" else Rope(D, 10000.0)
+    got_cache = CausalCache(700, max_sequences=4, shift=fn, codec=spec)
+    assert got_cache.key_rope == ("pre" if shift == "plain" else "post")
+    assert (got_cache.storage.frame is None) == (shift == "plain")
+    ref_cache = CausalCache(700, max_sequences=4, shift=fn, key_rope=got_cache.key_rope)
     ref, got = run_scenario(ref_cache), run_scenario(got_cache)
     for (mask_r, hist_r), (mask_g, hist_g) in zip(ref, got, strict=True):
         assert mask_r == mask_g and hist_r == hist_g

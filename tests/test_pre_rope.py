@@ -8,6 +8,7 @@ import torch
 
 from kvcache import Batch, CausalCache
 from kvcache.errors import InvalidArgumentError, InvalidConfigError
+from kvcache.models.rope import Rope
 from support import render
 from test_codecs import D, H, outlier_rows, rope_like
 
@@ -89,6 +90,12 @@ def test_read_matches_get_and_checks_its_input():
 def test_key_rope_choice_and_errors():
     assert CausalCache(8, shift=rope_like, codec="kivi4").key_rope == "pre"
     assert CausalCache(8, shift=rope_like, codec="turbo4").key_rope == "pre"
+    rope = Rope(D, 10000.0)  # a rotary shift: turbo centres keys after RoPE in its frame
+    assert CausalCache(8, shift=rope, codec="turbo4").key_rope == "post"
+    assert CausalCache(8, shift=rope, codec="turbo4").storage.frame is not None
+    assert CausalCache(8, shift=rope, codec="kivi4").key_rope == "pre"
+    assert CausalCache(8, shift=rope, codec="turbo4", key_rope="pre").storage.frame is None
+    assert CausalCache(8, shift=rope, codec="int4").storage.frame is None
     assert CausalCache(8, shift=rope_like, codec="int4").key_rope == "post"
     assert CausalCache(8, codec="kivi4").key_rope == "post"  # no shift: cannot un-rotate
     assert CausalCache(8, shift=rope_like, codec="kivi4", key_rope="post").key_rope == "post"
@@ -96,6 +103,34 @@ def test_key_rope_choice_and_errors():
         CausalCache(8, codec="kivi4", key_rope="pre")
     with pytest.raises(InvalidConfigError, match="key_rope"):
         CausalCache(8, shift=rope_like, key_rope="sideways")
+
+
+def test_turbo_keys_after_rope_are_centred_in_the_rotary_frame():
+    """With a Rope, turbo keys are stored after RoPE minus their sequence's centre (the mean
+    of the un-rotated keys) rotated to each row's position: the centre and the coded rows'
+    norms are those keys stored before RoPE give, not those of a rotated offset."""
+    n, g = 200, torch.Generator().manual_seed(0)
+    rope = Rope(D, 10000.0)
+    base = 4.0 * torch.randn(H, D, generator=g)  # what every key shares before RoPE
+    unrotated = base + 0.3 * torch.randn(n, H, D, generator=g)
+    keys = rope.shift(0, unrotated, torch.arange(n))
+    held = {}
+    for mode in ("post", "pre"):
+        cache = CausalCache(n, shift=rope, codec="turbo4:recent=0", key_rope=mode)
+        cache.start_forward(Batch.single(0, 0, n))
+        cache.put(0, keys, keys)
+        buf = cache.storage.layers[0].keys
+        assert (buf.frame is not None) == (mode == "post")
+        torch.testing.assert_close(buf.centre[0].float(), unrotated.mean(0), atol=2e-3, rtol=1e-3)
+        sealed = int((buf.windows.slot_of[:n] < 0).sum())  # sealed 32 at a time: the first
+        assert sealed >= 160
+        held[mode] = buf.scale[:sealed, :, 0].float()  # the coded rows' norms
+        decoded = cache.read(0, torch.arange(n))[0]
+        assert (decoded - keys).abs().max() < 0.25  # 5-bit codes of rows of norm ~2.4
+    spread = (unrotated - unrotated.mean(0)).norm(dim=-1)[:sealed]  # [sealed, H]
+    assert (held["post"] < 1.1 * spread).all() and (held["post"] > 0.9 * spread).all()
+    assert (held["pre"] < 1.1 * spread).all() and (held["pre"] > 0.9 * spread).all()
+    assert spread.max() < 0.2 * base.norm(dim=-1).min()  # a centre left unrotated would not do
 
 
 def test_a_rope_passed_as_its_bound_shift_is_the_rotary_shift():

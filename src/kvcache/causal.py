@@ -22,9 +22,12 @@ Storage is preallocated per layer ([N, kv_heads, head_dim], token-major) in a co
 (float, int8, int4, kivi, turbo; K and V may differ); quantizing codecs keep each sequence's
 newest rows in fp16 (``kvcache.recent``). Keys are stored after RoPE by default, and a middle
 ``remove`` decodes the moved keys, re-rotates them and encodes them again. With
-``key_rope="pre"`` (the default for codecs that quantize keys per channel: kivi, turbo) keys
-are stored un-rotated, rotated back by position when read (in the kernels, from cos/sin
-tables), and a ``remove`` only changes positions.
+``key_rope="pre"`` (the default for kivi, whose keys are quantized per channel) keys are
+stored un-rotated, rotated back by position when read (in the kernels, from cos/sin tables),
+and a ``remove`` only changes positions. Turbo keys are centred by their sequence's centre
+before RoPE either way: stored after RoPE when the shift is a rotary embedding (the centre
+rotated to each row's position, ``codecs.base.RotaryFrame``: the kernel scores the codes
+against the query rotated once), else before RoPE.
 Bookkeeping (``cells.py``, ``recent.py``) and the attention policy (``policy.py``) hold no
 tensors.
 
@@ -45,7 +48,7 @@ import torch
 from kvcache.batch import Batch
 from kvcache.cells import Cells
 from kvcache.codecs import Codec, FloatCodec, make_codec
-from kvcache.codecs.base import Locs
+from kvcache.codecs.base import Locs, RotaryFrame
 from kvcache.errors import (
     CacheFullError,
     CallOrderError,
@@ -96,7 +99,9 @@ class CausalCache:
     ) -> None:
         """``key_rope``: "post" stores keys as given (rotated), "pre" un-rotates them by
         their positions through ``shift`` before the key codec encodes them; None picks
-        "pre" when there is a ``shift`` and the key codec prefers it (``Codec.pre_rope``).
+        "pre" when there is a ``shift`` and the key codec prefers it (``Codec.pre_rope``),
+        unless the shift is a rotary embedding and the codec can centre keys in its frame
+        (``Codec.rotary_centre``: "post", see ``codecs.base.RotaryFrame``).
         A ``shift`` that is a :class:`~kvcache.protocol.RotaryShift` (``Rope``, or its bound
         ``shift`` / ``__call__``) is applied from cos/sin tables inside the attention kernels;
         any other callable makes keys stored before RoPE attend on the plain-torch path."""
@@ -129,10 +134,18 @@ class CausalCache:
             raise InvalidConfigError("key_rope", key_rope, '"pre", "post" or None')
         if key_rope == "pre" and shift is None:
             raise InvalidConfigError("key_rope", key_rope, '"post" without a shift function')
+        framed = isinstance(self.shift, RotaryShift) and self.key_codec.rotary_centre
         if key_rope is None:
-            key_rope = "pre" if shift is not None and self.key_codec.pre_rope else "post"
+            pre = shift is not None and self.key_codec.pre_rope and not framed
+            key_rope = "pre" if pre else "post"
         self.key_rope = key_rope
-        self.storage = Storage(self.num_cells, dtype, self.device, self.key_codec, self.value_codec)
+        frame = None
+        if framed and key_rope == "post":
+            assert isinstance(self.shift, RotaryShift)
+            frame = RotaryFrame(self.cells.pos, self.shift)
+        self.storage = Storage(
+            self.num_cells, dtype, self.device, self.key_codec, self.value_codec, frame
+        )
         self._fwd: ForwardPlan | None = None
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [P, D/2]
         self._observers: list[AttentionObserver] = []  # presses watching the queries
@@ -315,6 +328,7 @@ class CausalCache:
             return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, s)
         plan = fwd.attention_plan(int(k.shape[1]), torch.get_num_threads())
         pre = self.key_rope == "pre"
+        tables = pre or keys_l.centre_rope
         out = attend(
             q,
             plan,
@@ -323,7 +337,7 @@ class CausalCache:
             kv_heads=int(k.shape[1]),
             scale=s,
             pre_rope=pre,
-            rope=self._kernel_rope(plan.max_pos, int(q.shape[2])) if pre else None,
+            rope=self._kernel_rope(plan.max_pos, int(q.shape[2])) if tables else None,
         )
         return out.to(q.dtype)
 

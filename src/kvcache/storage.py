@@ -21,7 +21,7 @@ import torch
 
 from kvcache.cells import Cells
 from kvcache.codecs import Codec
-from kvcache.codecs.base import Buffer, Layout, Locs
+from kvcache.codecs.base import Buffer, Layout, Locs, RotaryFrame
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
 from kvcache.recent import SealPlan, Windows, WindowSpec
 
@@ -57,14 +57,23 @@ class Storage:
     """The K/V buffers of every layer of one cell cache, read back as ``dtype``."""
 
     def __init__(
-        self, n: int, dtype: torch.dtype, device: torch.device, key_codec: Codec, value_codec: Codec
+        self,
+        n: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        key_codec: Codec,
+        value_codec: Codec,
+        frame: RotaryFrame | None = None,
     ) -> None:
+        """``frame``: keys after RoPE centred in a rotary frame (a ``rotary_centre`` key
+        codec; see RotaryFrame)."""
         for codec in (key_codec, value_codec):
             codec.check_device(device)
         self.n = n
         self.dtype = dtype
         self.device = device
         self.codecs = (key_codec, value_codec)
+        self.frame = frame
         specs = {c.spec for c in self.codecs if c.spec is not None}
         self.windows: dict[WindowSpec, Windows] = {s: Windows(n, s) for s in specs}
         self.roles = tuple(self.windows_of(c) for c in self.codecs)  # keys', values' windows
@@ -95,7 +104,7 @@ class Storage:
         """Empty buffers for a layer of these (kv_heads, head_dim) shapes, not yet registered."""
         kc, vc = self.codecs
         return LayerStorage(
-            kc.allocate(self.n, *k_shape, self.device, self.windows_of(kc)),
+            kc.allocate_keys(self.n, *k_shape, self.device, self.windows_of(kc), self.frame),
             vc.allocate(self.n, *v_shape, self.device, self.windows_of(vc)),
             k_shape,
             v_shape,

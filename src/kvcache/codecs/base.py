@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvcache.errors import NotSupportedError
+from kvcache.protocol import RotaryShift
 from kvcache.recent import SealPlan, Windows, WindowSpec
 
 Locs = torch.Tensor | slice  # cell indices (LongTensor) or a contiguous slice of cells
@@ -60,6 +61,25 @@ class Layout:
     group: int = 0
     log_scale: bool = False
     rotated: bool = False  # values summed in the codec's rotated domain (turbo)
+    centre_rope: bool = False  # keys after RoPE, centred by a centre rotated to each position
+
+
+@dataclass
+class RotaryFrame:
+    """Where a key buffer's rows sit in RoPE's frame: each cell's live position (the cache's
+    ``Cells.pos``, [N]) and the cache's rotary shift. A buffer with a frame stores keys after
+    RoPE minus their sequence's centre (a mean of un-rotated keys) rotated to the row's
+    position: the centre of un-rotated keys holds at every position, and the codes are of
+    rows after RoPE, which the attention kernel scores against the query as it is."""
+
+    positions: np.ndarray
+    shift: RotaryShift
+
+    def rotate(self, x: torch.Tensor, cells: np.ndarray, sign: int = 1) -> torch.Tensor:
+        """Rows ``x`` [n, H, D] rotated by ``sign`` times the positions of ``cells`` [n]."""
+        pos = torch.from_numpy(self.positions[cells] * sign).to(x.device)
+        cos, sin = self.shift.tables(pos, x.dtype)
+        return self.shift.rotate(x, cos.to(x.device), sin.to(x.device))
 
 
 class Buffer(ABC):
@@ -115,11 +135,15 @@ class Codec(ABC):
 
     ``pre_rope``: as a key codec, this format quantizes keys better before RoPE (a cell
     cache with a shift function then stores them un-rotated, see ``storage.py``).
+    ``rotary_centre``: as a key codec, this format can instead store keys after RoPE minus
+    their centre rotated to each row's position (a :class:`RotaryFrame`), which a cache whose
+    shift is a rotary embedding prefers to ``pre_rope``.
     ``spec``: its recent window (None: rows are encoded as written).
     """
 
     name: str
     pre_rope: bool = False
+    rotary_centre: bool = False
     spec: WindowSpec | None = None
 
     @abstractmethod
@@ -128,6 +152,19 @@ class Codec(ABC):
     ) -> Buffer:
         """A buffer of ``n`` cells; ``windows``: the cache's bookkeeping of this codec's
         recent windows (see ``kvcache.recent``), None for a codec without a window."""
+
+    def allocate_keys(
+        self,
+        n: int,
+        heads: int,
+        dim: int,
+        device: torch.device,
+        windows: Windows | None,
+        frame: RotaryFrame | None,
+    ) -> Buffer:
+        """A buffer for keys; ``frame`` (only for a ``rotary_centre`` codec): see RotaryFrame."""
+        del frame
+        return self.allocate(n, heads, dim, device, windows)
 
     def bytes_per_row(self, heads: int, dim: int) -> float:
         """Stored bytes of one encoded cell's [heads, dim] row, per-row metadata included."""

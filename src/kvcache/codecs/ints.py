@@ -108,7 +108,7 @@ class AffineRowsBuffer(CentredBuffer):
         )
 
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
-        x = self.centred(x, metas)
+        x = self.centred(x, metas, cells)
         t, h, _ = x.shape
         levels = (1 << self.bits) - 1
         xg = x.reshape(t, h, -1, self.group)  # [T, H, D/G, G]

@@ -47,7 +47,7 @@ class ChannelBuffer(WindowedBuffer):
     def _allocate(self, rows: int) -> None:
         self.codes = grown(self.codes, rows)
 
-    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
+    def _fresh(self, meta: int, basis: torch.Tensor, cells: np.ndarray | None = None) -> None:
         """A group's channel ranges over its rows."""
         self.scale, self.low = self.meta_rows(self.scale), self.meta_rows(self.low)
         low, high = basis.amin(dim=0), basis.amax(dim=0)  # [H, D]

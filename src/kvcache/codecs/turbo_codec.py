@@ -35,7 +35,7 @@ import math
 import numpy as np
 import torch
 
-from kvcache.codecs.base import TURBO, Buffer, Codec, Layout, grown
+from kvcache.codecs.base import TURBO, Buffer, Codec, Layout, RotaryFrame, grown
 from kvcache.codecs.encoded import SCALE_DTYPE, Encoded
 from kvcache.codecs.pack import packed_width
 from kvcache.codecs.quantizer import HeadStack, TurboQuantizer
@@ -52,8 +52,9 @@ class TurboBuffer(CentredBuffer):
         codec: TurboCodec,
         windows: Windows,
         device: torch.device,
+        frame: RotaryFrame | None = None,
     ) -> None:
-        super().__init__(n, heads, dim, windows, device, codec.keys)
+        super().__init__(n, heads, dim, windows, device, codec.keys, frame)
         self.quantizers = [
             TurboQuantizer(dim, codec.bits, seed=codec.seed + h) for h in range(heads)
         ]
@@ -69,7 +70,7 @@ class TurboBuffer(CentredBuffer):
         self.codes, self.scale = grown(self.codes, rows), grown(self.scale, rows)
 
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
-        x = self.centred(x, metas)
+        x = self.centred(x, metas, cells)
         encoded = self.stack.encode(x.transpose(0, 1), None, self.keys)  # per head
         codes = torch.stack([e.codes for e in encoded], dim=1)  # [T, H, W]
         scale = torch.stack([e.scale for e in encoded], dim=1)  # [T, H, 1]
@@ -132,14 +133,25 @@ class TurboCodec(Codec):
     ) -> None:
         self.bits, self.keys, self.seed, self.log_scale = bits, keys, seed, log_scale
         self.name = name or f"turbo{bits}"
-        self.pre_rope = keys
+        self.pre_rope = self.rotary_centre = keys
         self.spec = WindowSpec(window, 1, "sequence" if keys else "none", batch)
 
     def allocate(
         self, n: int, heads: int, dim: int, device: torch.device, windows: Windows | None
     ) -> Buffer:
+        return self.allocate_keys(n, heads, dim, device, windows, None)
+
+    def allocate_keys(
+        self,
+        n: int,
+        heads: int,
+        dim: int,
+        device: torch.device,
+        windows: Windows | None,
+        frame: RotaryFrame | None,
+    ) -> Buffer:
         assert windows is not None and windows.spec == self.spec, "turbo needs its windows"
-        return TurboBuffer(n, heads, dim, self, windows, device)
+        return TurboBuffer(n, heads, dim, self, windows, device, frame)
 
     def bytes_per_row(self, heads: int, dim: int) -> float:
         padded = 1 << max(1, (dim - 1).bit_length())

@@ -21,7 +21,15 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
-from kvcache.codecs.base import Buffer, Layout, Locs, RowFormat, capacity, tensor_bytes
+from kvcache.codecs.base import (
+    Buffer,
+    Layout,
+    Locs,
+    RotaryFrame,
+    RowFormat,
+    capacity,
+    tensor_bytes,
+)
 from kvcache.recent import SealPlan, Windows
 
 RESIDUAL = torch.float16
@@ -69,8 +77,11 @@ class WindowedBuffer(Buffer):
     def _allocate(self, rows: int) -> None:
         """Grow every per-cell code tensor to ``rows`` rows (keeping their contents)."""
 
-    def _fresh(self, meta: int, basis: torch.Tensor) -> None:  # noqa: B027 - optional hook
-        """Set record ``meta`` from the rows ``basis`` [m, H, D] (codecs with records)."""
+    def _fresh(  # noqa: B027 - optional hook
+        self, meta: int, basis: torch.Tensor, cells: np.ndarray
+    ) -> None:
+        """Set record ``meta`` from the rows ``basis`` [m, H, D] of ``cells`` (codecs with
+        records)."""
 
     @abstractmethod
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
@@ -96,7 +107,7 @@ class WindowedBuffer(Buffer):
             for group in plan.groups:
                 if group.fresh and len(group.basis):
                     basis = self._rows(group.basis, group.basis_slots, new, values)
-                    self._fresh(group.meta, basis)
+                    self._fresh(group.meta, basis, group.basis)
             cells = np.concatenate([g.cells for g in plan.groups])
             slots = np.concatenate([g.slots for g in plan.groups])
             metas = np.concatenate([np.full(len(g.cells), g.meta) for g in plan.groups])
@@ -241,33 +252,52 @@ class WindowedBuffer(Buffer):
 class CentredBuffer(WindowedBuffer):
     """A windowed buffer whose rows may be encoded minus their sequence's key centre
     (``centre``: fp16 [M, H, D], one record per sequence, the mean of its rows when it first
-    seals some; any fixed offset round-trips, and the kernels add it back per row)."""
+    seals some; any fixed offset round-trips, and the kernels add it back per row). With a
+    ``frame`` (keys after RoPE, see RotaryFrame) the centre is the mean of the un-rotated
+    rows, and a row's centre is rotated to its position."""
 
     RECORD_FIELDS = ("centre",)
 
     def __init__(
-        self, n: int, heads: int, dim: int, windows: Windows, device: torch.device, centred: bool
+        self,
+        n: int,
+        heads: int,
+        dim: int,
+        windows: Windows,
+        device: torch.device,
+        centred: bool,
+        frame: RotaryFrame | None = None,
     ) -> None:
         super().__init__(n, heads, dim, windows, device)
         self.centre = (
             torch.zeros((0, heads, dim), dtype=RESIDUAL, device=device) if centred else None
         )
+        self.frame = frame if centred else None
 
-    def _fresh(self, meta: int, basis: torch.Tensor) -> None:
+    def _fresh(self, meta: int, basis: torch.Tensor, cells: np.ndarray) -> None:
         if self.centre is not None:  # the sequence's key centre: the mean of its rows now
+            if self.frame is not None:
+                basis = self.frame.rotate(basis, cells, -1)
             self.centre = self.meta_rows(self.centre)
             self.centre[meta] = basis.mean(dim=0).to(RESIDUAL)
 
-    def centred(self, x: torch.Tensor, metas: np.ndarray) -> torch.Tensor:
-        """Rows ``x`` [n, H, D] to encode, minus the centre of record ``metas[i]``."""
+    def _centres(self, metas: np.ndarray, cells: np.ndarray) -> torch.Tensor:
+        """float32 [n, H, D]: the centre of record ``metas[i]`` as row ``cells[i]`` has it."""
+        assert self.centre is not None
+        c = self.centre[self.index(metas.astype(np.int64))].float()
+        return c if self.frame is None else self.frame.rotate(c, cells)
+
+    def centred(self, x: torch.Tensor, metas: np.ndarray, cells: torch.Tensor) -> torch.Tensor:
+        """Rows ``x`` [n, H, D] of ``cells`` to encode, minus the centre of record
+        ``metas[i]``."""
         if self.centre is None:
             return x
-        return x - self.centre[self.index(metas).long()].float()
+        return x - self._centres(metas, cell_index(cells))
 
     def uncentred(self, x: torch.Tensor, cells: np.ndarray) -> torch.Tensor:
         """Decoded rows ``x`` [n, H, D] of ``cells`` plus their centre (in place)."""
         if self.centre is not None:
-            x.add_(self.centre[self.index(self.windows.meta_of[cells])].float())
+            x.add_(self._centres(self.windows.meta_of[cells], cells))
         return x
 
     def centred_layout(self, layout: Layout) -> Layout:
@@ -275,6 +305,7 @@ class CentredBuffer(WindowedBuffer):
         if self.centre is not None:
             layout.meta_of = torch.from_numpy(self.windows.meta_of)
             layout.meta_a = self.centre
+            layout.centre_rope = self.frame is not None
         return self.window_layout(layout)
 
     def centre_tensors(self) -> tuple[torch.Tensor, ...]:

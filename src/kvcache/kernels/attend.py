@@ -46,7 +46,7 @@ def layout_args(layout: Layout, pre_rope: bool) -> tuple[list[torch.Tensor], lis
         layout.bits,
         layout.group,
         int(layout.log_scale),
-        int(pre_rope),
+        2 if layout.centre_rope else int(pre_rope),  # csrc/readers.h: RopeMode
         int(layout.rotated),
     ]
     return tensors, ints

@@ -56,6 +56,8 @@ struct Scratch {
   std::vector<int16_t> q16;   // [H * R, D]: the scaled query in int16 steps, for 4-bit keys
   std::vector<float> qscale;  // [H * R]: ... their size (tiles.h, quantize_query16)
   KiviKeys kivi;               // KIVI key rows read as they are
+  TurboRows turbo, turbov;     // turbo key and value rows read as they are
+  std::vector<float> qrot;     // [H * R, D]: the scaled query in turbo's codes' domain
   std::vector<float> ranges;   // [BLK, 2, D]: their records' channel ranges as floats
   std::vector<uint8_t> kdom, vdom;
   std::vector<int> ja, jb;
@@ -65,7 +67,7 @@ struct Scratch {
 };
 
 // How a tile's keys or values are read when not decoded into a tile first (see attend_item).
-enum class Direct { NONE, INT8, AFFINE4, KIVI4, HALF };
+enum class Direct { NONE, INT8, AFFINE4, KIVI4, TURBO, HALF };
 
 // 4-bit affine codes read as they are: groups of a multiple of `step` channels
 bool affine4_direct(const Reader& r, int64_t step) {
@@ -94,12 +96,14 @@ Direct direct_keys(const Reader& kr, const int32_t* cells, int n) {
   if (all_half(kr, cells, n)) return Direct::HALF;
   if (kr.kind == INT8) return all_codes(kr, cells, n) ? Direct::INT8 : Direct::NONE;
   if (affine4_keys_direct(kr) && all_codes(kr, cells, n)) return Direct::AFFINE4;
+  if (turbo_keys_direct(kr) && all_codes(kr, cells, n)) return Direct::TURBO;
   return Direct::NONE;
 }
 
 Direct direct_values(const Reader& vr, const int32_t* cells, int n) {
   if (!KVK_AVX2) return Direct::NONE;
   if (all_half(vr, cells, n)) return Direct::HALF;  // window rows are never rotated
+  if (turbo_values_direct(vr)) return all_codes(vr, cells, n) ? Direct::TURBO : Direct::NONE;
   if (vr.rotated) return Direct::NONE;
   if (vr.kind == INT8) return all_codes(vr, cells, n) ? Direct::INT8 : Direct::NONE;
   if (affine4_direct(vr, 16) && vr.meta_a == nullptr && all_codes(vr, cells, n))
@@ -208,6 +212,11 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
       }
     }
   }
+  if (turbo_keys_direct(kr)) {  // turbo keys: each query row in the codes' domain
+    w.qrot.resize(H * R * D);
+    for (int64_t r = 0; r < H * R; ++r)
+      turbo_query(kr, r / R, w.q.data() + r * D, w.qrot.data() + r * D);
+  }
   // cells of the tile from b0: at most BLK, cut where rows change from window to codes
   auto tile_len = [&](int64_t b0) {
     const int32_t* cells = plan.cells + b0;
@@ -268,6 +277,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         half_rows(kr, h, cells, a, b, w.khalf.data());
       else if (kd == Direct::KIVI4)
         kivi4_keys(kr, h, cells, pos, a, b, rope, w.ranges.data(), w.kivi);
+      else if (kd == Direct::TURBO)
+        turbo_keys(kr, h, cells, pos, a, b, rope, w.q.data() + h * R * D, (int)R, w.turbo);
       else
         decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
       for (int64_t e = 0; e < ne; ++e) {
@@ -284,6 +295,12 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
 #if KVK_AVX2
           qk_kivi_rows(w.q.data() + r0 * D, (int)G, w.kivi, ja, jb, (int)D, sc0, ls);
 #endif
+        } else if (kd == Direct::TURBO) {
+          qk_turbo_rows(kr, w.qrot.data() + r0 * D, (int)G, (int)(e * G), w.turbo, ja, jb, sc0,
+                        ls);
+          if (kr.meta_a != nullptr && !kr.centre_rope)  // a centre as it is
+            add_centre_scores(kr, h, cells, ja, jb, w.q.data() + r0 * D, (int)G, w.dots.data(),
+                              sc0);
         } else if (kd == Direct::HALF) {
           qk_rows<HalfRows>(w.q.data() + r0 * D, (int)G, w.khalf.data(), ja, jb, (int)D, sc0, 0,
                             -1, ls);
@@ -314,6 +331,18 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
             mul_rows(w.vscale.data() + ja, p0 + g * BLK + ja, jb - ja);
           pv_rows<Int8Rows>(p0, (int)G, w.vcodes.data(), ja, jb, (int)Dv,
                             w.acc.data() + (h * ne + e) * G * Dv, 0, -1, ls);
+        }
+        continue;
+      }
+      if (vd == Direct::TURBO) {  // rotated-domain sums: weights times the norms, then levels
+        turbo_values(vr, h, cells, a, b, w.turbov);
+        for (int64_t e = 0; e < ne; ++e) {
+          const int ja = w.ja[e], jb = w.jb[e];
+          if (ja >= jb) continue;
+          float* p0 = w.sc.data() + e * G * BLK;
+          for (int64_t g = 0; g < G; ++g) mul_rows(w.turbov.s + ja, p0 + g * BLK + ja, jb - ja);
+          pv_turbo_rows(vr, p0, (int)G, w.turbov, ja, jb, w.accr.data() + (h * ne + e) * G * Dv,
+                        ls);
         }
         continue;
       }
@@ -405,7 +434,7 @@ void check_float(const at::Tensor& t, std::vector<int64_t> shape, const char* na
 
 Rope rope_of(const Reader& kr, const at::Tensor& cos, const at::Tensor& sin) {
   Rope rope;
-  if (!kr.pre_rope) return rope;
+  if (!kr.pre_rope && !kr.centre_rope) return rope;
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == kr.D / 2 &&
                   sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous(),
               "kvcache kernel: RoPE tables must be float32 [P, D/2]");

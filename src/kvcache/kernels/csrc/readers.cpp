@@ -403,6 +403,7 @@ void decode_turbo(const Tile& t, int a, int b) {
   const Reader& r = t.r;
   const int64_t D = r.D;
   Record centre;
+  float rotated[256];  // CENTRE_ROPE: the centre rotated to a cell's position
   float signs[256];  // the head's sign flips times 1/sqrt(P): the inverse rotation's diagonal
   const float norm = 1.f / std::sqrt((float)D);
   for (int64_t i = 0; i < D; ++i) signs[i] = r.signs[t.h * D + i] * norm;
@@ -417,10 +418,18 @@ void decode_turbo(const Tile& t, int a, int b) {
       t.dom[j] = 1;
       return false;  // values: summed in the rotated domain, rotated back once
     }
-    if (r.meta_a != nullptr) centre.load(r, c, t.h, r.meta_a, nullptr);
+    const float* cen = nullptr;
+    if (r.meta_a != nullptr) {
+      centre.load(r, c, t.h, r.meta_a, nullptr);
+      cen = centre.a;
+      if (r.centre_rope) {  // the centre as this cell's position has it
+        std::memcpy(rotated, centre.a, (size_t)D * 4);
+        apply_rope(t.rope, t.pos[j], rotated, D);
+        cen = rotated;
+      }
+    }
 #if KVK_AVX2
     if (D == 64) {  // one pass in registers (SmolLM2's and Llama's common head size)
-      const float* cen = r.meta_a != nullptr ? centre.a : nullptr;
       const float *cs = nullptr, *sn = nullptr;
       if (r.pre_rope) std::tie(cs, sn) = rope_rows(t.rope, t.pos[j], D);
       turbo_key64<BITS>(row, r.centroids, s, signs, cen, cs, sn, out);
@@ -433,12 +442,11 @@ void decode_turbo(const Tile& t, int a, int b) {
     const __m256 sv = _mm256_set1_ps(s);
     for (int64_t i = 0; i < D; i += 8) {
       __m256 v = _mm256_mul_ps(_mm256_loadu_ps(out + i), _mm256_mul_ps(sv, _mm256_loadu_ps(signs + i)));
-      if (r.meta_a != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(centre.a + i));
+      if (cen != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(cen + i));
       _mm256_storeu_ps(out + i, v);
     }
 #else
-    for (int64_t i = 0; i < D; ++i)
-      out[i] = out[i] * s * signs[i] + (r.meta_a != nullptr ? centre.a[i] : 0.f);
+    for (int64_t i = 0; i < D; ++i) out[i] = out[i] * s * signs[i] + (cen != nullptr ? cen[i] : 0.f);
 #endif
     return true;
   });
@@ -460,12 +468,344 @@ DecodeFn turbo_fn(int64_t bits) {
   }
 }
 
+// ---- turbo keys after RoPE, scored from the codes (readers.h) ---------------------------
+#if KVK_AVX512
+// 16 codes of BITS bits (2 * BITS bytes from channel i) -> 16 int32: the bytes broadcast to
+// the four 128-bit lanes, each code's two bytes shuffled into its lane, shifted and masked
+template <int BITS>
+struct Unpack16 {
+  alignas(64) int8_t shuf[64];
+  alignas(64) int32_t shift[16];
+  constexpr Unpack16() : shuf(), shift() {
+    for (int j = 0; j < 16; ++j) {
+      const int bit = BITS * j, byte = bit / 8;
+      shuf[4 * j] = (int8_t)byte;
+      shuf[4 * j + 1] = byte + 1 < 16 ? (int8_t)(byte + 1) : (int8_t)-128;  // -128: zero
+      shuf[4 * j + 2] = shuf[4 * j + 3] = (int8_t)-128;
+      shift[j] = bit % 8;
+    }
+  }
+};
+template <int BITS>
+inline constexpr Unpack16<BITS> kUnpack16{};
+
+template <int BITS>
+inline __m512i codes16(const uint8_t* row, int64_t i) {
+  // a masked load reads only the 2 * BITS bytes (never past the row)
+  const __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * BITS)) - 1), row + i * BITS / 8);
+  const __m512i b = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw),
+                                        _mm512_load_si512(kUnpack16<BITS>.shuf));
+  return _mm512_and_si512(_mm512_srlv_epi32(b, _mm512_load_si512(kUnpack16<BITS>.shift)),
+                          _mm512_set1_epi32((1 << BITS) - 1));
+}
+
+// levels[codes] for 16 codes from a zero-padded table of >= 32 floats
+template <int BITS>
+inline __m512 lookup16(const float* table, __m512i idx) {
+  if constexpr (BITS <= 4) {
+    return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(table));
+  } else if constexpr (BITS == 5) {
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(table), idx, _mm512_loadu_ps(table + 16));
+  } else {
+    return _mm512_i32gather_ps(idx, table, 4);
+  }
+}
+
+// the sum of each of four registers' 16 floats
+inline __m128 sums4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  auto fold = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  };
+  return sums4(fold(a0), fold(a1), fold(a2), fold(a3));
+}
+
+// Scores of NR query rows against NC (4 or 1) cells from j: per step, the levels of 16 codes
+// of each half of the row times the cell's norm meet the rotated query rows, and (CENTRE) the
+// A | B blocks meet the cos | sin rows
+template <int BITS, int NR, int NC, bool CENTRE>
+inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& t, int j,
+                           float* sc, LineStream* ls) {
+  const int half = D / 2;
+  __m512 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int i = 0; i < half; i += 16) {
+    if (ls != nullptr) ls->step();
+    for (int part = i; part < D; part += half) {
+      __m512 qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = _mm512_loadu_ps(qrot + r * D + part);
+      for (int c = 0; c < NC; ++c) {
+        const __m512 lv =
+            _mm512_mul_ps(lookup16<BITS>(t.table, codes16<BITS>(t.rows[j + c], part)),
+                          _mm512_set1_ps(t.s[j + c]));
+        for (int r = 0; r < NR; ++r) acc[r][c] = _mm512_fmadd_ps(qv[r], lv, acc[r][c]);
+      }
+    }
+    if constexpr (CENTRE) {
+      for (int c = 0; c < NC; ++c) {
+        const __m512 cv = _mm512_loadu_ps(t.cs[j + c] + i), sv = _mm512_loadu_ps(t.sn[j + c] + i);
+        for (int r = 0; r < NR; ++r) {
+          const float* ab = t.ab[j + c] + (int64_t)(row0 + r) * D;
+          acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(ab + i), cv, acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(ab + half + i), sv, acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    if constexpr (NC == 4) {
+      _mm_storeu_ps(sc + r * BLK + j, sums4x16(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      sc[r * BLK + j] = _mm512_reduce_add_ps(acc[r][0]);
+    }
+  }
+}
+#elif KVK_AVX2
+// the same with 8 channels a step (lookup8's permutes)
+template <int BITS, int NR, int NC, bool CENTRE>
+inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& t, int j,
+                           float* sc, LineStream* ls) {
+  const int half = D / 2, width = D * BITS / 8;
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int i = 0; i < half; i += 8) {
+    if (ls != nullptr && i % 16 == 0) ls->step();
+    for (int part = i; part < D; part += half) {
+      __m256 qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(qrot + r * D + part);
+      for (int c = 0; c < NC; ++c) {
+        const __m256 lv =
+            _mm256_mul_ps(lookup8<BITS>(t.table, codes8<BITS>(t.rows[j + c], part, width)),
+                          _mm256_set1_ps(t.s[j + c]));
+        for (int r = 0; r < NR; ++r) acc[r][c] = _mm256_fmadd_ps(qv[r], lv, acc[r][c]);
+      }
+    }
+    if constexpr (CENTRE) {
+      for (int c = 0; c < NC; ++c) {
+        const __m256 cv = _mm256_loadu_ps(t.cs[j + c] + i), sv = _mm256_loadu_ps(t.sn[j + c] + i);
+        for (int r = 0; r < NR; ++r) {
+          const float* ab = t.ab[j + c] + (int64_t)(row0 + r) * D;
+          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + i), cv, acc[r][c]);
+          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + half + i), sv, acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    if constexpr (NC == 4) {
+      _mm_storeu_ps(sc + r * BLK + j, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      sc[r * BLK + j] = hsum8(acc[r][0]);
+    }
+  }
+}
+#endif
+
+#if KVK_AVX512
+// acc[r] += sum_j p[r][j] * levels of row j, for NR rows, 64 channels from c0 in registers
+template <int BITS, int NR>
+inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int jb, int c0,
+                          float* acc, LineStream* ls) {
+  __m512 a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < 4; ++k) a[r][k] = _mm512_loadu_ps(acc + r * D + c0 + 16 * k);
+  for (int j = ja; j < jb; ++j) {
+    if (ls != nullptr && (j & 1) == 0) ls->step();
+    __m512 pv[NR];
+    for (int r = 0; r < NR; ++r) pv[r] = _mm512_set1_ps(p[r * BLK + j]);
+    for (int k = 0; k < 4; ++k) {
+      const __m512 lv = lookup16<BITS>(t.table, codes16<BITS>(t.rows[j], c0 + 16 * k));
+      for (int r = 0; r < NR; ++r) a[r][k] = _mm512_fmadd_ps(pv[r], lv, a[r][k]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + r * D + c0 + 16 * k, a[r][k]);
+}
+constexpr int kPvCols = 64;
+#elif KVK_AVX2
+// the same with 32 channels a pass (lookup8's permutes)
+template <int BITS, int NR>
+inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int jb, int c0,
+                          float* acc, LineStream* ls) {
+  const int width = D * BITS / 8;
+  __m256 a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < 4; ++k) a[r][k] = _mm256_loadu_ps(acc + r * D + c0 + 8 * k);
+  for (int j = ja; j < jb; ++j) {
+    if (ls != nullptr && (j & 3) == 0) ls->step();
+    __m256 pv[NR];
+    for (int r = 0; r < NR; ++r) pv[r] = _mm256_set1_ps(p[r * BLK + j]);
+    for (int k = 0; k < 4; ++k) {
+      const __m256 lv = lookup8<BITS>(t.table, codes8<BITS>(t.rows[j], c0 + 8 * k, width));
+      for (int r = 0; r < NR; ++r) a[r][k] = _mm256_fmadd_ps(pv[r], lv, a[r][k]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + r * D + c0 + 8 * k, a[r][k]);
+}
+constexpr int kPvCols = 32;
+#endif
+
+#if KVK_AVX2
+template <int BITS>
+void pv_turbo_tile(const float* p, int rows, int D, const TurboRows& t, int ja, int jb,
+                   float* acc, LineStream* ls) {
+  for (int r = 0; r < rows; r += 3) {
+    const float* pr = p + r * BLK;
+    float* ar = acc + (int64_t)r * D;
+    const int nr = rows - r < 3 ? rows - r : 3;
+    for (int c0 = 0; c0 < D; c0 += kPvCols) {
+      if (nr == 1) pv_turbo_cols<BITS, 1>(pr, D, t, ja, jb, c0, ar, ls);
+      else if (nr == 2) pv_turbo_cols<BITS, 2>(pr, D, t, ja, jb, c0, ar, ls);
+      else pv_turbo_cols<BITS, 3>(pr, D, t, ja, jb, c0, ar, ls);
+    }
+  }
+}
+#endif
+
+#if KVK_AVX2
+template <int BITS, bool CENTRE>
+void qk_turbo_tile(const float* qrot, int rows, int D, int row0, const TurboRows& t, int ja,
+                   int jb, float* sc, LineStream* ls) {
+  for (int r = 0; r < rows; r += 3) {
+    const float* qr = qrot + (int64_t)r * D;
+    float* s = sc + r * BLK;
+    const int nr = rows - r < 3 ? rows - r : 3, r0 = row0 + r;
+    int j = ja;
+    for (; j + 4 <= jb; j += 4) {
+      if (nr == 1) qk_turbo_cells<BITS, 1, 4, CENTRE>(qr, D, r0, t, j, s, ls);
+      else if (nr == 2) qk_turbo_cells<BITS, 2, 4, CENTRE>(qr, D, r0, t, j, s, ls);
+      else qk_turbo_cells<BITS, 3, 4, CENTRE>(qr, D, r0, t, j, s, ls);
+    }
+    for (; j < jb; ++j) {
+      if (nr == 1) qk_turbo_cells<BITS, 1, 1, CENTRE>(qr, D, r0, t, j, s, ls);
+      else if (nr == 2) qk_turbo_cells<BITS, 2, 1, CENTRE>(qr, D, r0, t, j, s, ls);
+      else qk_turbo_cells<BITS, 3, 1, CENTRE>(qr, D, r0, t, j, s, ls);
+    }
+  }
+}
+
+template <int BITS>
+void qk_turbo_bits(bool centre, const float* qrot, int rows, int D, int row0, const TurboRows& t,
+                   int ja, int jb, float* sc, LineStream* ls) {
+  if (centre) qk_turbo_tile<BITS, true>(qrot, rows, D, row0, t, ja, jb, sc, ls);
+  else qk_turbo_tile<BITS, false>(qrot, rows, D, row0, t, ja, jb, sc, ls);
+}
+#endif
+
 }  // namespace
 
 void turbo_unrotate(const float* signs, float* y, int64_t P) {
   fwht(y, P);
   const float norm = 1.f / std::sqrt((float)P);
   for (int64_t i = 0; i < P; ++i) y[i] *= norm * signs[i];
+}
+
+bool turbo_keys_direct(const Reader& r) {
+  return KVK_AVX2 && r.kind == TURBO && !r.rotated && !r.pre_rope && r.D % 64 == 0 &&
+         r.data_head * 8 == r.D * r.bits;  // P == D: no padding
+}
+
+void turbo_query(const Reader& r, int64_t h, const float* q, float* out) {
+  const float norm = 1.f / std::sqrt((float)r.D);
+  const float* signs = r.signs + h * r.D;
+  for (int64_t i = 0; i < r.D; ++i) out[i] = q[i] * signs[i] * norm;
+  fwht(out, r.D);
+}
+
+bool turbo_values_direct(const Reader& r) {
+  return KVK_AVX2 && r.kind == TURBO && r.rotated && r.D % 64 == 0 &&
+         r.data_head * 8 == r.D * r.bits;
+}
+
+void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b, TurboRows& t) {
+  code_rows(r, h, cells, a, b, t.rows);
+  std::fill(t.table, t.table + 256, 0.f);
+  std::copy(r.centroids, r.centroids + (1 << r.bits), t.table);
+  for (int j = a; j < b; ++j) {
+    const int64_t m = cells[j] * r.H + h;
+    t.s[j] = r.log_scale ? log_scale_value(reinterpret_cast<const uint8_t*>(r.scale)[m])
+                         : bf16_to_float(r.scale[m] & 0x7fff);
+    t.ab[j] = nullptr;
+  }
+}
+
+void turbo_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
+                int b, const Rope& rope, const float* q, int rows, TurboRows& t) {
+  const int64_t D = r.D, half = D / 2;
+  turbo_values(r, h, cells, a, b, t);  // rows, norms, levels
+  if (r.centre_rope) {  // runs of cells sharing a record: one A | B block each
+    int runs = 0;
+    for (int j = a; j < b; ++j) runs += j == a || r.meta_of[cells[j]] != r.meta_of[cells[j - 1]];
+    t.abs.resize((size_t)runs * rows * D);
+  }
+  Record centre;
+  float* block = t.abs.data();
+  if (!r.centre_rope) return;
+  for (int j = a; j < b; ++j) {
+    const int64_t c = cells[j];
+    if (j > a && r.meta_of[c] == r.meta_of[cells[j - 1]]) {
+      t.ab[j] = t.ab[j - 1];
+    } else {  // a new record: A | B of every query row
+      centre.load(r, c, h, r.meta_a, nullptr);
+      for (int g = 0; g < rows; ++g) {
+        const float* qg = q + (int64_t)g * D;
+        float* ab = block + (int64_t)g * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c1 = centre.a[i], c2 = centre.a[half + i];
+          ab[i] = qg[i] * c1 + qg[half + i] * c2;
+          ab[half + i] = qg[half + i] * c1 - qg[i] * c2;
+        }
+      }
+      t.ab[j] = block;
+      block += (int64_t)rows * D;
+    }
+    std::tie(t.cs[j], t.sn[j]) = rope_rows(rope, pos[j], D);
+  }
+}
+
+void pv_turbo_rows(const Reader& r, const float* p, int rows, const TurboRows& t, int ja, int jb,
+                   float* acc, LineStream* ls) {
+#if KVK_AVX2
+  const int D = (int)r.D;
+  switch (r.bits) {
+    case 1: return pv_turbo_tile<1>(p, rows, D, t, ja, jb, acc, ls);
+    case 2: return pv_turbo_tile<2>(p, rows, D, t, ja, jb, acc, ls);
+    case 3: return pv_turbo_tile<3>(p, rows, D, t, ja, jb, acc, ls);
+    case 4: return pv_turbo_tile<4>(p, rows, D, t, ja, jb, acc, ls);
+    case 5: return pv_turbo_tile<5>(p, rows, D, t, ja, jb, acc, ls);
+    case 6: return pv_turbo_tile<6>(p, rows, D, t, ja, jb, acc, ls);
+    case 7: return pv_turbo_tile<7>(p, rows, D, t, ja, jb, acc, ls);
+    case 8: return pv_turbo_tile<8>(p, rows, D, t, ja, jb, acc, ls);
+    default: TORCH_CHECK(false, "kvcache kernel: turbo bits ", r.bits, " not in 1..8");
+  }
+#else
+  (void)r, (void)p, (void)rows, (void)t, (void)ja, (void)jb, (void)acc, (void)ls;
+  TORCH_CHECK(false, "kvcache kernel: turbo values from codes need AVX2");
+#endif
+}
+
+void qk_turbo_rows(const Reader& r, const float* qrot, int rows, int row0, const TurboRows& t,
+                   int ja, int jb, float* sc, LineStream* ls) {
+#if KVK_AVX2
+  const int D = (int)r.D;
+  const bool c = r.centre_rope;
+  switch (r.bits) {
+    case 1: return qk_turbo_bits<1>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
+    case 2: return qk_turbo_bits<2>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
+    case 3: return qk_turbo_bits<3>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
+    case 4: return qk_turbo_bits<4>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
+    case 5: return qk_turbo_bits<5>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
+    case 6: return qk_turbo_bits<6>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
+    case 7: return qk_turbo_bits<7>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
+    case 8: return qk_turbo_bits<8>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
+    default: TORCH_CHECK(false, "kvcache kernel: turbo bits ", r.bits, " not in 1..8");
+  }
+#else
+  (void)r, (void)qrot, (void)rows, (void)row0, (void)t, (void)ja, (void)jb, (void)sc, (void)ls;
+  TORCH_CHECK(false, "kvcache kernel: turbo keys from codes need AVX2");
+#endif
 }
 
 namespace {
@@ -629,7 +969,10 @@ Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>&
   r.bits = ints[BITS];
   r.group = ints[GROUP];
   r.log_scale = ints[LOG_SCALE] != 0;
-  r.pre_rope = ints[PRE_ROPE] != 0;
+  TORCH_CHECK(ints[ROPE_MODE] >= AFTER_ROPE && ints[ROPE_MODE] <= CENTRE_ROPE,
+              "kvcache kernel: bad RoPE mode ", ints[ROPE_MODE]);
+  r.pre_rope = ints[ROPE_MODE] == BEFORE_ROPE;
+  r.centre_rope = ints[ROPE_MODE] == CENTRE_ROPE;
   r.rotated = ints[ROTATED] != 0;
   r.H = H;
   r.D = D;
@@ -663,6 +1006,7 @@ Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>&
   r.centroids = ptr<float>(t[CENTROIDS]);
   r.signs = ptr<float>(t[SIGNS]);
   r.direct = r.kind == F32 && !r.pre_rope;
+  TORCH_CHECK(!r.centre_rope || r.kind == TURBO, "kvcache kernel: rotated centres are turbo's");
   if (r.kind == AFFINE_ROWS || r.kind == AFFINE_CHANNELS)
     TORCH_CHECK(r.bits == 2 || r.bits == 4, "kvcache kernel: affine codes of ", r.bits, " bits");
   if (r.kind == TURBO)

@@ -28,7 +28,10 @@ enum Slot : int {
   DATA = 0, SCALE, LOW, META_OF, META_A, META_B, WINDOW, RESIDUAL, CENTROIDS, SIGNS, NUM_SLOTS
 };
 // int slots
-enum IntSlot : int { KIND = 0, BITS, GROUP, LOG_SCALE, PRE_ROPE, ROTATED, NUM_INTS };
+enum IntSlot : int { KIND = 0, BITS, GROUP, LOG_SCALE, ROPE_MODE, ROTATED, NUM_INTS };
+// how keys stand to RoPE (the ROPE_MODE slot): stored after it; before it (rotated by position
+// when read); after it, minus a centre (meta_a) that is rotated to each cell's position
+enum RopeMode : int64_t { AFTER_ROPE = 0, BEFORE_ROPE = 1, CENTRE_ROPE = 2 };
 
 struct Rope {
   const float* cos = nullptr;  // [P, D/2]
@@ -57,6 +60,7 @@ struct Reader {
   const float* signs = nullptr;          // turbo: [H, P] sign flips of the rotation
   int64_t bits = 0, group = 0;
   bool log_scale = false, pre_rope = false, rotated = false;
+  bool centre_rope = false;  // CENTRE_ROPE: the centre of cell c is rotated by its position
   bool direct = false;  // fp32 rows handed out as pointers into storage
 };
 
@@ -102,6 +106,52 @@ void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b
 // cos / sin rows of pos[j]; for j in [a, b).
 void kivi4_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
                 int b, const Rope& rope, float* ranges, KiviKeys& t);
+
+// ---- turbo keys after RoPE, scored from their codes ------------------------------------
+// A key row decodes to k = s * fwht(L[codes]) * signs / sqrt(D) + centre (L: the codebook
+// levels at unit scale, s: the row's norm), so <q, k> = s * <qrot, L[codes]> + <q, centre>
+// with qrot = fwht(q * signs / sqrt(D)) computed once per query row (turbo_query): each key
+// costs a table lookup per channel and no transform. With CENTRE_ROPE the centre c is
+// rotated to the cell's position p, and <q, R_p c> = sum_i cos_i(p) A_i + sin_i(p) B_i over
+// the D/2 rotation pairs (i, i + D/2), A_i = q_i c_i + q_{i+D/2} c_{i+D/2},
+// B_i = q_{i+D/2} c_i - q_i c_{i+D/2}: A | B once per query row and record, then a dot with
+// the position's cos | sin rows per cell.
+struct TurboRows {
+  const uint8_t* rows[BLK];     // packed codes of the cells' rows
+  float s[BLK];                 // their norms
+  const float* ab[BLK];         // [rows, D] A | B of each query row for the cell's record
+  const float *cs[BLK], *sn[BLK];  // the cos and sin rows [D/2] of the cell's position
+  float table[256];             // the codebook levels, zero-padded to 32 at least
+  std::vector<float> abs;       // the records' A | B blocks
+};
+
+// Whether turbo values can be summed from their codes (in the rotated domain): D a multiple
+// of 64, no padding.
+bool turbo_values_direct(const Reader& r);
+
+// Whether turbo keys can be scored from their codes: stored after RoPE, D a multiple of 64.
+bool turbo_keys_direct(const Reader& r);
+
+// out [D] = fwht(q * signs[h] / sqrt(D)): query row q in the codes' domain of head h
+void turbo_query(const Reader& r, int64_t h, const float* q, float* out);
+
+// t for cells [a, b) of head h (all in the codes): code rows, norms, and with CENTRE_ROPE the
+// A | B blocks of the `rows` query rows q [rows, D] (scaled) and the cos / sin rows.
+void turbo_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
+                int b, const Rope& rope, const float* q, int rows, TurboRows& t);
+
+// t for the value rows of cells [a, b) of head h (all in the codes): code rows, norms, levels
+void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b, TurboRows& t);
+
+// acc[g * D + c] += sum_j p[g * BLK + j] * levels of value j's code c (rotated domain; the
+// caller has multiplied p by the cells' norms), g < rows, j in [ja, jb)
+void pv_turbo_rows(const Reader& r, const float* p, int rows, const TurboRows& t, int ja, int jb,
+                   float* acc, LineStream* ls);
+
+// sc[g * BLK + j] = <query row g, key j> for g < rows, j in [ja, jb): qrot [rows, D] the rows
+// in the codes' domain, row0 the first row's index in t's A | B blocks.
+void qk_turbo_rows(const Reader& r, const float* qrot, int rows, int row0, const TurboRows& t,
+                   int ja, int jb, float* sc, LineStream* ls);
 
 // sc[g * BLK + j] += <q[g], centre of cells[j]> for g < rows, j in [a, b): the key-centre part
 // of scores read from centred codes. A record's dots are computed once while consecutive cells

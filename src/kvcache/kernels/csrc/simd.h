@@ -13,6 +13,12 @@
 #else
 #define KVK_AVX2 0
 #endif
+// 512-bit paths where the CPU has them (byte shuffles and masked loads need BW and VL)
+#if KVK_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVK_AVX512 1
+#else
+#define KVK_AVX512 0
+#endif
 
 namespace kvk {
 
