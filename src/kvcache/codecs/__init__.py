@@ -17,8 +17,10 @@ int4, turbo and kivi keep each sequence's newest 128 rows in fp16 (``kvcache.rec
 quantizing codec seals a sequence's rows 32 at a time (``"int8:batch=1"``: as written; kivi
 keys: 64, a group).
 
-kivi and turbo keys are quantized before RoPE in a cell cache that has a shift function
-(``Codec.pre_rope``; see ``kvcache.storage``).
+kivi keys are quantized before RoPE in a cell cache that has a shift function
+(``Codec.pre_rope``; see ``kvcache.storage``); turbo keys too, unless the shift is a rotary
+embedding: then after RoPE, centred in its frame (``Codec.rotary_centre``,
+``codecs.base.RotaryFrame``).
 """
 
 from __future__ import annotations
