@@ -106,6 +106,17 @@ def test_kernel_equals_the_reference(codec: str, policy: str, monkeypatch: pytes
     assert rec.worst < REL, f"{codec} / {policy}: relative error {rec.worst:.2e}"
 
 
+@pytest.mark.parametrize("codec", ["turbo4", "turbo3"])
+def test_turbo_keys_centred_without_a_rotary_frame_equal_the_reference(codec: str):
+    """Without a shift turbo keys are stored after RoPE with a centre as it is: the kernel
+    adds the centre's dot (add_centre_scores) to the scores from the codes."""
+    cache = CausalCache(1024, max_sequences=4, codec=codec)
+    assert cache.key_rope == "post" and cache.storage.frame is None
+    rec = Recorder(cache)
+    workload(rec)
+    assert rec.worst < REL, f"{codec} without a shift: relative error {rec.worst:.2e}"
+
+
 @pytest.mark.parametrize("codec", ["fp32", "int4", "kivi4", "turbo4"])
 def test_every_segment_through_the_tile_path_or_the_kernel(
     codec: str, monkeypatch: pytest.MonkeyPatch

@@ -721,8 +721,9 @@ bool turbo_values_direct(const Reader& r) {
 
 void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b, TurboRows& t) {
   code_rows(r, h, cells, a, b, t.rows);
-  std::fill(t.table, t.table + 256, 0.f);
-  std::copy(r.centroids, r.centroids + (1 << r.bits), t.table);
+  const int levels = 1 << r.bits;  // the lookups read 32 entries at most below 6 bits
+  std::copy(r.centroids, r.centroids + levels, t.table);
+  std::fill(t.table + levels, t.table + std::max(levels, 32), 0.f);
   for (int j = a; j < b; ++j) {
     const int64_t m = cells[j] * r.H + h;
     t.s[j] = r.log_scale ? log_scale_value(reinterpret_cast<const uint8_t*>(r.scale)[m])
