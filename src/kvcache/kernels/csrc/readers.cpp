@@ -519,132 +519,113 @@ inline __m128 sums4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return sums4(fold(a0), fold(a1), fold(a2), fold(a3));
 }
 
-// Scores of NR query rows against NC (4 or 1) cells from j: per step, the levels of 16 codes
-// of each half of the row times the cell's norm meet the rotated query rows, and (CENTRE) the
-// A | B blocks meet the cos | sin rows
-template <int BITS, int NR, int NC, bool CENTRE>
-inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& t, int j,
-                           float* sc, LineStream* ls) {
-  const int half = D / 2;
-  __m512 acc[NR][NC];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int i = 0; i < half; i += 16) {
-    if (ls != nullptr) ls->step();
-    for (int part = i; part < D; part += half) {
-      __m512 qv[NR];
-      for (int r = 0; r < NR; ++r) qv[r] = _mm512_loadu_ps(qrot + r * D + part);
-      for (int c = 0; c < NC; ++c) {
-        const __m512 lv =
-            _mm512_mul_ps(lookup16<BITS>(t.table, codes16<BITS>(t.rows[j + c], part)),
-                          _mm512_set1_ps(t.s[j + c]));
-        for (int r = 0; r < NR; ++r) acc[r][c] = _mm512_fmadd_ps(qv[r], lv, acc[r][c]);
-      }
-    }
-    if constexpr (CENTRE) {
-      for (int c = 0; c < NC; ++c) {
-        const __m512 cv = _mm512_loadu_ps(t.cs[j + c] + i), sv = _mm512_loadu_ps(t.sn[j + c] + i);
-        for (int r = 0; r < NR; ++r) {
-          const float* ab = t.ab[j + c] + (int64_t)(row0 + r) * D;
-          acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(ab + i), cv, acc[r][c]);
-          acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(ab + half + i), sv, acc[r][c]);
-        }
-      }
-    }
+#endif  // KVK_AVX512
+
+// The vector the turbo kernels below compute in: 16 floats where the CPU has AVX-512, else 8
+// (lookup8's permutes); levels(): the codebook levels of W codes of a row from channel i
+#if KVK_AVX512
+struct TurboVec {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* x) { return _mm512_loadu_ps(x); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* x, V v) { _mm512_storeu_ps(x, v); }
+  template <int BITS>
+  static V levels(const float* table, const uint8_t* row, int i, int /*width*/) {
+    return lookup16<BITS>(table, codes16<BITS>(row, i));
   }
-  for (int r = 0; r < NR; ++r) {
-    if constexpr (NC == 4) {
-      _mm_storeu_ps(sc + r * BLK + j, sums4x16(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-    } else {
-      sc[r * BLK + j] = _mm512_reduce_add_ps(acc[r][0]);
-    }
-  }
-}
+  static __m128 sums4(V a0, V a1, V a2, V a3) { return sums4x16(a0, a1, a2, a3); }
+  static float sum(V a) { return _mm512_reduce_add_ps(a); }
+};
 #elif KVK_AVX2
-// the same with 8 channels a step (lookup8's permutes)
+struct TurboVec {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* x) { return _mm256_loadu_ps(x); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* x, V v) { _mm256_storeu_ps(x, v); }
+  template <int BITS>
+  static V levels(const float* table, const uint8_t* row, int i, int width) {
+    return lookup8<BITS>(table, codes8<BITS>(row, i, width));
+  }
+  static __m128 sums4(V a0, V a1, V a2, V a3) { return kvk::sums4(a0, a1, a2, a3); }
+  static float sum(V a) { return hsum8(a); }
+};
+#endif
+
+#if KVK_AVX2
+using TV = TurboVec;
+
+// Scores of NR query rows against NC (4 or 1) cells from j: per step, the levels of W codes
+// of each half of the row times the cell's norm meet the rotated query rows, and (CENTRE) the
+// A | B blocks meet the cos | sin rows; the next tile fetched one step per 16 channels
 template <int BITS, int NR, int NC, bool CENTRE>
 inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& t, int j,
                            float* sc, LineStream* ls) {
   const int half = D / 2, width = D * BITS / 8;
-  __m256 acc[NR][NC];
+  TV::V acc[NR][NC];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int i = 0; i < half; i += 8) {
+    for (int c = 0; c < NC; ++c) acc[r][c] = TV::zero();
+  for (int i = 0; i < half; i += TV::W) {
     if (ls != nullptr && i % 16 == 0) ls->step();
     for (int part = i; part < D; part += half) {
-      __m256 qv[NR];
-      for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(qrot + r * D + part);
+      TV::V qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = TV::load(qrot + r * D + part);
       for (int c = 0; c < NC; ++c) {
-        const __m256 lv =
-            _mm256_mul_ps(lookup8<BITS>(t.table, codes8<BITS>(t.rows[j + c], part, width)),
-                          _mm256_set1_ps(t.s[j + c]));
-        for (int r = 0; r < NR; ++r) acc[r][c] = _mm256_fmadd_ps(qv[r], lv, acc[r][c]);
+        const TV::V lv = TV::mul(TV::levels<BITS>(t.table, t.rows[j + c], part, width),
+                                 TV::set1(t.s[j + c]));
+        for (int r = 0; r < NR; ++r) acc[r][c] = TV::fma(qv[r], lv, acc[r][c]);
       }
     }
     if constexpr (CENTRE) {
       for (int c = 0; c < NC; ++c) {
-        const __m256 cv = _mm256_loadu_ps(t.cs[j + c] + i), sv = _mm256_loadu_ps(t.sn[j + c] + i);
+        const TV::V cv = TV::load(t.cs[j + c] + i), sv = TV::load(t.sn[j + c] + i);
         for (int r = 0; r < NR; ++r) {
           const float* ab = t.ab[j + c] + (int64_t)(row0 + r) * D;
-          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + i), cv, acc[r][c]);
-          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + half + i), sv, acc[r][c]);
+          acc[r][c] = TV::fma(TV::load(ab + i), cv, acc[r][c]);
+          acc[r][c] = TV::fma(TV::load(ab + half + i), sv, acc[r][c]);
         }
       }
     }
   }
   for (int r = 0; r < NR; ++r) {
     if constexpr (NC == 4) {
-      _mm_storeu_ps(sc + r * BLK + j, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      _mm_storeu_ps(sc + r * BLK + j, TV::sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
     } else {
-      sc[r * BLK + j] = hsum8(acc[r][0]);
+      sc[r * BLK + j] = TV::sum(acc[r][0]);
     }
   }
 }
-#endif
 
-#if KVK_AVX512
-// acc[r] += sum_j p[r][j] * levels of row j, for NR rows, 64 channels from c0 in registers
-template <int BITS, int NR>
-inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int jb, int c0,
-                          float* acc, LineStream* ls) {
-  __m512 a[NR][4];
-  for (int r = 0; r < NR; ++r)
-    for (int k = 0; k < 4; ++k) a[r][k] = _mm512_loadu_ps(acc + r * D + c0 + 16 * k);
-  for (int j = ja; j < jb; ++j) {
-    if (ls != nullptr && (j & 1) == 0) ls->step();
-    __m512 pv[NR];
-    for (int r = 0; r < NR; ++r) pv[r] = _mm512_set1_ps(p[r * BLK + j]);
-    for (int k = 0; k < 4; ++k) {
-      const __m512 lv = lookup16<BITS>(t.table, codes16<BITS>(t.rows[j], c0 + 16 * k));
-      for (int r = 0; r < NR; ++r) a[r][k] = _mm512_fmadd_ps(pv[r], lv, a[r][k]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + r * D + c0 + 16 * k, a[r][k]);
-}
-constexpr int kPvCols = 64;
-#elif KVK_AVX2
-// the same with 32 channels a pass (lookup8's permutes)
+// acc[r] += sum_j p[r][j] * levels of row j, for NR rows, 4 * W channels from c0 in registers;
+// the next tile fetched one step per two cells of 64 channels
 template <int BITS, int NR>
 inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int jb, int c0,
                           float* acc, LineStream* ls) {
   const int width = D * BITS / 8;
-  __m256 a[NR][4];
+  constexpr int every = 64 / (4 * TV::W) * 2 - 1;  // 64 channels: every other cell
+  TV::V a[NR][4];
   for (int r = 0; r < NR; ++r)
-    for (int k = 0; k < 4; ++k) a[r][k] = _mm256_loadu_ps(acc + r * D + c0 + 8 * k);
+    for (int k = 0; k < 4; ++k) a[r][k] = TV::load(acc + r * D + c0 + TV::W * k);
   for (int j = ja; j < jb; ++j) {
-    if (ls != nullptr && (j & 3) == 0) ls->step();
-    __m256 pv[NR];
-    for (int r = 0; r < NR; ++r) pv[r] = _mm256_set1_ps(p[r * BLK + j]);
+    if (ls != nullptr && (j & every) == 0) ls->step();
+    TV::V pv[NR];
+    for (int r = 0; r < NR; ++r) pv[r] = TV::set1(p[r * BLK + j]);
     for (int k = 0; k < 4; ++k) {
-      const __m256 lv = lookup8<BITS>(t.table, codes8<BITS>(t.rows[j], c0 + 8 * k, width));
-      for (int r = 0; r < NR; ++r) a[r][k] = _mm256_fmadd_ps(pv[r], lv, a[r][k]);
+      const TV::V lv = TV::levels<BITS>(t.table, t.rows[j], c0 + TV::W * k, width);
+      for (int r = 0; r < NR; ++r) a[r][k] = TV::fma(pv[r], lv, a[r][k]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + r * D + c0 + 8 * k, a[r][k]);
+    for (int k = 0; k < 4; ++k) TV::store(acc + r * D + c0 + TV::W * k, a[r][k]);
 }
-constexpr int kPvCols = 32;
+constexpr int kPvCols = 4 * TurboVec::W;
 #endif
 
 #if KVK_AVX2
