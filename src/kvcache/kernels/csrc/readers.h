@@ -7,6 +7,7 @@
 //   * everything else is dequantized into the caller's tile [BLK, D] first;
 //   * a cell whose row lives in the fp16 recent window (slot >= 0) is read from there;
 //   * keys stored before RoPE are rotated by their cell's position from the cos/sin tables;
+//   * turbo keys centred in the rotary frame (CENTRE_ROPE) get their centre rotated so;
 //   * dom[j] = 1 marks a row left in turbo's rotated domain (values only: the caller sums
 //     those apart and rotates the sum back once).
 #pragma once
