@@ -126,7 +126,8 @@ def test_encode_picks_the_nearest_centroid_up_to_the_grid(bits):
 def test_grid_rounding_costs_under_a_thousandth_of_the_mse(bits):
     """Paired Monte Carlo: the same rotated coordinates, grid lookup vs exact nearest centroid."""
     book = lloyd_max(128, bits)
-    x = torch.randn(4000, 128, dtype=torch.float64)
+    g = torch.Generator().manual_seed(bits)  # the draw must not depend on the tests before
+    x = torch.randn(4000, 128, dtype=torch.float64, generator=g)
     t = (x / x.norm(dim=1, keepdim=True) * math.sqrt(128)).float()
     grid = ((book.decode(book.encode(t)) - t) ** 2).mean().item()
     mids = (book.centroids[1:] + book.centroids[:-1]) / 2  # unrounded boundaries

@@ -25,6 +25,13 @@ inline float log_scale_value(uint8_t c) {
   return c == 0 ? 0.f : std::exp2((float)(c - 1) / 8.f - 16.f);
 }
 
+// a turbo row's norm: entry m (= cell * H + head) of the scales, log-coded or bf16 (the sign
+// bit is an unused flag)
+inline float turbo_norm(const Reader& r, int64_t m) {
+  return r.log_scale ? log_scale_value(reinterpret_cast<const uint8_t*>(r.scale)[m])
+                     : bf16_to_float(r.scale[m] & 0x7fff);
+}
+
 // the cos and sin rows [D/2] of a position
 inline std::pair<const float*, const float*> rope_rows(const Rope& rope, int64_t pos, int64_t D) {
   TORCH_CHECK(pos >= 0 && pos < rope.count, "kvcache kernel: position ", pos,
@@ -410,8 +417,7 @@ void decode_turbo(const Tile& t, int a, int b) {
   each_row(t, a, b, [&](int j, int64_t c, float* out) {
     const uint8_t* row = code_row(r, c, t.h);
     const int64_t m = c * r.H + t.h;
-    const float s = r.log_scale ? log_scale_value(reinterpret_cast<const uint8_t*>(r.scale)[m])
-                                : bf16_to_float(r.scale[m] & 0x7fff);  // sign bit: unused flag
+    const float s = turbo_norm(r, m);
     if (r.rotated) {
       turbo_levels<BITS>(row, r.centroids, out, D);
       scale_row(s, out, (int)D);
@@ -707,8 +713,7 @@ void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b
   std::fill(t.table + levels, t.table + std::max(levels, 32), 0.f);
   for (int j = a; j < b; ++j) {
     const int64_t m = cells[j] * r.H + h;
-    t.s[j] = r.log_scale ? log_scale_value(reinterpret_cast<const uint8_t*>(r.scale)[m])
-                         : bf16_to_float(r.scale[m] & 0x7fff);
+    t.s[j] = turbo_norm(r, m);
     t.ab[j] = nullptr;
   }
 }
