@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace kvk {
@@ -458,18 +459,19 @@ void decode_turbo(const Tile& t, int a, int b) {
   });
 }
 
-using DecodeFn = void (*)(const Tile&, int, int);
-
-DecodeFn turbo_fn(int64_t bits) {
+// f(std::integral_constant<int, bits>) for turbo's 1..8 bits: one switch for every kernel
+// templated on the width of the codes
+template <typename F>
+decltype(auto) with_turbo_bits(int64_t bits, F f) {
   switch (bits) {
-    case 1: return decode_turbo<1>;
-    case 2: return decode_turbo<2>;
-    case 3: return decode_turbo<3>;
-    case 4: return decode_turbo<4>;
-    case 5: return decode_turbo<5>;
-    case 6: return decode_turbo<6>;
-    case 7: return decode_turbo<7>;
-    case 8: return decode_turbo<8>;
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
     default: TORCH_CHECK(false, "kvcache kernel: turbo bits ", bits, " not in 1..8");
   }
 }
@@ -632,9 +634,7 @@ inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int
     for (int k = 0; k < 4; ++k) TV::store(acc + r * D + c0 + TV::W * k, a[r][k]);
 }
 constexpr int kPvCols = 4 * TurboVec::W;
-#endif
 
-#if KVK_AVX2
 template <int BITS>
 void pv_turbo_tile(const float* p, int rows, int D, const TurboRows& t, int ja, int jb,
                    float* acc, LineStream* ls) {
@@ -649,9 +649,7 @@ void pv_turbo_tile(const float* p, int rows, int D, const TurboRows& t, int ja, 
     }
   }
 }
-#endif
 
-#if KVK_AVX2
 template <int BITS, bool CENTRE>
 void qk_turbo_tile(const float* qrot, int rows, int D, int row0, const TurboRows& t, int ja,
                    int jb, float* sc, LineStream* ls) {
@@ -673,12 +671,6 @@ void qk_turbo_tile(const float* qrot, int rows, int D, int row0, const TurboRows
   }
 }
 
-template <int BITS>
-void qk_turbo_bits(bool centre, const float* qrot, int rows, int D, int row0, const TurboRows& t,
-                   int ja, int jb, float* sc, LineStream* ls) {
-  if (centre) qk_turbo_tile<BITS, true>(qrot, rows, D, row0, t, ja, jb, sc, ls);
-  else qk_turbo_tile<BITS, false>(qrot, rows, D, row0, t, ja, jb, sc, ls);
-}
 #endif
 
 }  // namespace
@@ -720,22 +712,20 @@ void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b
 
 void turbo_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
                 int b, const Rope& rope, const float* q, int rows, TurboRows& t) {
-  const int64_t D = r.D, half = D / 2;
   turbo_values(r, h, cells, a, b, t);  // rows, norms, levels
-  if (r.centre_rope) {  // runs of cells sharing a record: one A | B block each
-    int runs = 0;
-    for (int j = a; j < b; ++j) runs += j == a || r.meta_of[cells[j]] != r.meta_of[cells[j - 1]];
-    t.abs.resize((size_t)runs * rows * D);
-  }
+  if (!r.centre_rope) return;
+  const int64_t D = r.D, half = D / 2;
+  auto shares = [&](int j) { return j > a && r.meta_of[cells[j]] == r.meta_of[cells[j - 1]]; };
+  int runs = 0;  // runs of cells sharing a record: one A | B block each
+  for (int j = a; j < b; ++j) runs += !shares(j);
+  t.abs.resize((size_t)runs * rows * D);
   Record centre;
   float* block = t.abs.data();
-  if (!r.centre_rope) return;
   for (int j = a; j < b; ++j) {
-    const int64_t c = cells[j];
-    if (j > a && r.meta_of[c] == r.meta_of[cells[j - 1]]) {
+    if (shares(j)) {
       t.ab[j] = t.ab[j - 1];
     } else {  // a new record: A | B of every query row
-      centre.load(r, c, h, r.meta_a, nullptr);
+      centre.load(r, cells[j], h, r.meta_a, nullptr);
       for (int g = 0; g < rows; ++g) {
         const float* qg = q + (int64_t)g * D;
         float* ab = block + (int64_t)g * D;
@@ -755,18 +745,9 @@ void turbo_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t*
 void pv_turbo_rows(const Reader& r, const float* p, int rows, const TurboRows& t, int ja, int jb,
                    float* acc, LineStream* ls) {
 #if KVK_AVX2
-  const int D = (int)r.D;
-  switch (r.bits) {
-    case 1: return pv_turbo_tile<1>(p, rows, D, t, ja, jb, acc, ls);
-    case 2: return pv_turbo_tile<2>(p, rows, D, t, ja, jb, acc, ls);
-    case 3: return pv_turbo_tile<3>(p, rows, D, t, ja, jb, acc, ls);
-    case 4: return pv_turbo_tile<4>(p, rows, D, t, ja, jb, acc, ls);
-    case 5: return pv_turbo_tile<5>(p, rows, D, t, ja, jb, acc, ls);
-    case 6: return pv_turbo_tile<6>(p, rows, D, t, ja, jb, acc, ls);
-    case 7: return pv_turbo_tile<7>(p, rows, D, t, ja, jb, acc, ls);
-    case 8: return pv_turbo_tile<8>(p, rows, D, t, ja, jb, acc, ls);
-    default: TORCH_CHECK(false, "kvcache kernel: turbo bits ", r.bits, " not in 1..8");
-  }
+  with_turbo_bits(r.bits, [&](auto bits) {
+    pv_turbo_tile<decltype(bits)::value>(p, rows, (int)r.D, t, ja, jb, acc, ls);
+  });
 #else
   (void)r, (void)p, (void)rows, (void)t, (void)ja, (void)jb, (void)acc, (void)ls;
   TORCH_CHECK(false, "kvcache kernel: turbo values from codes need AVX2");
@@ -776,19 +757,11 @@ void pv_turbo_rows(const Reader& r, const float* p, int rows, const TurboRows& t
 void qk_turbo_rows(const Reader& r, const float* qrot, int rows, int row0, const TurboRows& t,
                    int ja, int jb, float* sc, LineStream* ls) {
 #if KVK_AVX2
-  const int D = (int)r.D;
-  const bool c = r.centre_rope;
-  switch (r.bits) {
-    case 1: return qk_turbo_bits<1>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
-    case 2: return qk_turbo_bits<2>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
-    case 3: return qk_turbo_bits<3>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
-    case 4: return qk_turbo_bits<4>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
-    case 5: return qk_turbo_bits<5>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
-    case 6: return qk_turbo_bits<6>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
-    case 7: return qk_turbo_bits<7>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
-    case 8: return qk_turbo_bits<8>(c, qrot, rows, D, row0, t, ja, jb, sc, ls);
-    default: TORCH_CHECK(false, "kvcache kernel: turbo bits ", r.bits, " not in 1..8");
-  }
+  with_turbo_bits(r.bits, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if (r.centre_rope) qk_turbo_tile<B, true>(qrot, rows, (int)r.D, row0, t, ja, jb, sc, ls);
+    else qk_turbo_tile<B, false>(qrot, rows, (int)r.D, row0, t, ja, jb, sc, ls);
+  });
 #else
   (void)r, (void)qrot, (void)rows, (void)row0, (void)t, (void)ja, (void)jb, (void)sc, (void)ls;
   TORCH_CHECK(false, "kvcache kernel: turbo keys from codes need AVX2");
@@ -1018,7 +991,7 @@ void decode(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos
       return r.bits == 4 ? decode_affine_channels<4>(t, a, b)
                          : decode_affine_channels<2>(t, a, b);
     case TURBO:
-      return turbo_fn(r.bits)(t, a, b);
+      return with_turbo_bits(r.bits, [&](auto bits) { decode_turbo<decltype(bits)::value>(t, a, b); });
     default:
       TORCH_CHECK(false, "kvcache kernel: unknown codec kind ", r.kind);
   }
