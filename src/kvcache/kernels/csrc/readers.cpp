@@ -391,7 +391,7 @@ void decode_affine_channels(const Tile& t, int a, int b) {
       const auto [cs, sn] = rope_rows(t.rope, t.pos[j], D);
       for (int64_t i = 0; i < half; i += 8) {
         __m256 r1, r2;
-        kivi_rotated8(row, range.a, range.b, cs, sn, i, half, &r1, &r2);
+        kivi_rotated<Vec8>(row, range.a, range.b, cs, sn, i, half, &r1, &r2);
         _mm256_storeu_ps(out + i, r1);
         _mm256_storeu_ps(out + half + i, r2);
       }
@@ -519,51 +519,24 @@ inline __m512 lookup16(const float* table, __m512i idx) {
   }
 }
 
-// the sum of each of four registers' 16 floats
-inline __m128 sums4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  auto fold = [](__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  };
-  return sums4(fold(a0), fold(a1), fold(a2), fold(a3));
-}
-
 #endif  // KVK_AVX512
 
-// The vector the turbo kernels below compute in: 16 floats where the CPU has AVX-512, else 8
-// (lookup8's permutes); levels(): the codebook levels of W codes of a row from channel i
+// The vector the turbo kernels below compute in: tiles.h's Vec16 where the CPU has AVX-512,
+// else Vec8 (lookup8's permutes); levels(): the codebook levels of W codes of a row from
+// channel i
 #if KVK_AVX512
-struct TurboVec {
-  using V = __m512;
-  static constexpr int W = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* x) { return _mm512_loadu_ps(x); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static void store(float* x, V v) { _mm512_storeu_ps(x, v); }
+struct TurboVec : Vec16 {
   template <int BITS>
   static V levels(const float* table, const uint8_t* row, int i, int /*width*/) {
     return lookup16<BITS>(table, codes16<BITS>(row, i));
   }
-  static __m128 sums4(V a0, V a1, V a2, V a3) { return sums4x16(a0, a1, a2, a3); }
-  static float sum(V a) { return _mm512_reduce_add_ps(a); }
 };
 #elif KVK_AVX2
-struct TurboVec {
-  using V = __m256;
-  static constexpr int W = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* x) { return _mm256_loadu_ps(x); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static void store(float* x, V v) { _mm256_storeu_ps(x, v); }
+struct TurboVec : Vec8 {
   template <int BITS>
   static V levels(const float* table, const uint8_t* row, int i, int width) {
     return lookup8<BITS>(table, codes8<BITS>(row, i, width));
   }
-  static __m128 sums4(V a0, V a1, V a2, V a3) { return kvk::sums4(a0, a1, a2, a3); }
-  static float sum(V a) { return hsum8(a); }
 };
 #endif
 

@@ -75,6 +75,54 @@ inline __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+// Vector traits for the kernels written once for both widths: 8 floats (AVX2), 16 (AVX-512).
+// nibbles(): the 4-bit codes of channels [c, c + W) of a packed row (two a byte, low nibble
+// first) as floats, never read past the row.
+struct Vec8 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* x) { return _mm256_loadu_ps(x); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+  static void store(float* x, V v) { _mm256_storeu_ps(x, v); }
+  static V nibbles(const uint8_t* row, int64_t c) { return _mm256_cvtepi32_ps(nibbles8(row, c)); }
+  static __m128 sums4(V a0, V a1, V a2, V a3) { return kvk::sums4(a0, a1, a2, a3); }
+  static float sum(V a) { return hsum8(a); }
+};
+
+#if KVK_AVX512
+struct Vec16 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* x) { return _mm512_loadu_ps(x); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static void store(float* x, V v) { _mm512_storeu_ps(x, v); }
+  static V nibbles(const uint8_t* row, int64_t c) {
+    // 8 bytes -> low and high nibbles interleaved into 16 bytes -> 16 int32
+    const __m128i b = _mm_loadl_epi64((const __m128i*)(row + c / 2)), m = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+  }
+  static __m128 sums4(V a0, V a1, V a2, V a3) {
+    auto fold = [](V v) {
+      return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    };
+    return kvk::sums4(fold(a0), fold(a1), fold(a2), fold(a3));
+  }
+  static float sum(V a) { return _mm512_reduce_add_ps(a); }
+};
+using Vec = Vec16;  // the widest the CPU has
+#else
+using Vec = Vec8;
+#endif
+
 template <int NR, int NC, typename R>
 inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
                      float* sc) {
@@ -210,51 +258,52 @@ struct KiviKeys {
 };
 
 #if KVK_AVX2
-// A KIVI key row's channels [i, i + 8) (*r1) and [i + D/2, ...) (*r2): codes times the channel
+// A KIVI key row's channels [i, i + W) (*r1) and [i + D/2, ...) (*r2): codes times the channel
 // scales a plus the minimums b, rotated by the cos / sin rows (the decoder's one pass in
 // readers.cpp and the fused scores below)
-inline void kivi_rotated8(const uint8_t* row, const float* a, const float* b, const float* cs,
-                          const float* sn, int64_t i, int64_t half, __m256* r1, __m256* r2) {
-  const __m256 x1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles8(row, i)), _mm256_loadu_ps(a + i),
-                                    _mm256_loadu_ps(b + i));
-  const __m256 x2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles8(row, half + i)),
-                                    _mm256_loadu_ps(a + half + i), _mm256_loadu_ps(b + half + i));
-  const __m256 cv = _mm256_loadu_ps(cs + i), sv = _mm256_loadu_ps(sn + i);
-  *r1 = _mm256_fnmadd_ps(x2, sv, _mm256_mul_ps(x1, cv));
-  *r2 = _mm256_fmadd_ps(x1, sv, _mm256_mul_ps(x2, cv));
+template <typename V>
+inline void kivi_rotated(const uint8_t* row, const float* a, const float* b, const float* cs,
+                         const float* sn, int64_t i, int64_t half, typename V::V* r1,
+                         typename V::V* r2) {
+  const auto x1 = V::fma(V::nibbles(row, i), V::load(a + i), V::load(b + i));
+  const auto x2 = V::fma(V::nibbles(row, half + i), V::load(a + half + i), V::load(b + half + i));
+  const auto cv = V::load(cs + i), sv = V::load(sn + i);
+  *r1 = V::fnma(x2, sv, V::mul(x1, cv));
+  *r2 = V::fma(x1, sv, V::mul(x2, cv));
 }
 
-// Scores of NR <= 3 rows against NC (4 or 1) cells from j
-template <int NR, int NC>
+// Scores of NR <= 3 rows against NC (4 or 1) cells from j, W channels of each half a step
+template <typename V, int NR, int NC>
 inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float* sc,
                           LineStream* ls) {
   const int half = D / 2;
-  __m256 acc[NR][NC];
+  typename V::V acc[NR][NC];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int i = 0; i < half; i += 8) {
+    for (int c = 0; c < NC; ++c) acc[r][c] = V::zero();
+  for (int i = 0; i < half; i += V::W) {
     if (ls != nullptr) ls->step();
+    if (ls != nullptr && V::W == 16) ls->step();  // as many steps per cell at either width
     for (int c = 0; c < NC; ++c) {
-      __m256 r1, r2;
-      kivi_rotated8(t.rows[j + c], t.a[j + c], t.b[j + c], t.cs[j + c], t.sn[j + c], i, half,
-                    &r1, &r2);
+      typename V::V r1, r2;
+      kivi_rotated<V>(t.rows[j + c], t.a[j + c], t.b[j + c], t.cs[j + c], t.sn[j + c], i, half,
+                      &r1, &r2);
       for (int r = 0; r < NR; ++r) {
-        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), r1, acc[r][c]);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + half + i), r2, acc[r][c]);
+        acc[r][c] = V::fma(V::load(q + r * D + i), r1, acc[r][c]);
+        acc[r][c] = V::fma(V::load(q + r * D + half + i), r2, acc[r][c]);
       }
     }
   }
   for (int r = 0; r < NR; ++r) {
     if constexpr (NC == 4) {
-      _mm_storeu_ps(sc + r * BLK + j, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      _mm_storeu_ps(sc + r * BLK + j, V::sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
     } else {
-      sc[r * BLK + j] = hsum8(acc[r][0]);
+      sc[r * BLK + j] = V::sum(acc[r][0]);
     }
   }
 }
 
-// sc[r * BLK + j] = <q[r], rotated key j> for r < rows, j in [ja, jb) (D a multiple of 16)
-inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
+template <typename V>
+inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
                          float* sc, LineStream* ls) {
   for (int r = 0; r < rows; r += 3) {
     const float* qr = q + r * D;
@@ -262,16 +311,23 @@ inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, in
     const int nr = rows - r < 3 ? rows - r : 3;
     int j = ja;
     for (; j + 4 <= jb; j += 4) {
-      if (nr == 1) qk_kivi_cells<1, 4>(qr, t, j, D, s, ls);
-      else if (nr == 2) qk_kivi_cells<2, 4>(qr, t, j, D, s, ls);
-      else qk_kivi_cells<3, 4>(qr, t, j, D, s, ls);
+      if (nr == 1) qk_kivi_cells<V, 1, 4>(qr, t, j, D, s, ls);
+      else if (nr == 2) qk_kivi_cells<V, 2, 4>(qr, t, j, D, s, ls);
+      else qk_kivi_cells<V, 3, 4>(qr, t, j, D, s, ls);
     }
     for (; j < jb; ++j) {
-      if (nr == 1) qk_kivi_cells<1, 1>(qr, t, j, D, s, ls);
-      else if (nr == 2) qk_kivi_cells<2, 1>(qr, t, j, D, s, ls);
-      else qk_kivi_cells<3, 1>(qr, t, j, D, s, ls);
+      if (nr == 1) qk_kivi_cells<V, 1, 1>(qr, t, j, D, s, ls);
+      else if (nr == 2) qk_kivi_cells<V, 2, 1>(qr, t, j, D, s, ls);
+      else qk_kivi_cells<V, 3, 1>(qr, t, j, D, s, ls);
     }
   }
+}
+
+// sc[r * BLK + j] = <q[r], rotated key j> for r < rows, j in [ja, jb) (D a multiple of 16)
+inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
+                         float* sc, LineStream* ls) {
+  if (D % (2 * Vec::W) == 0) qk_kivi_tile<Vec>(q, rows, t, ja, jb, D, sc, ls);
+  else qk_kivi_tile<Vec8>(q, rows, t, ja, jb, D, sc, ls);
 }
 #endif
 
@@ -282,7 +338,7 @@ inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, in
 // minimums, key centres or fp16 window rows, is the rounded query's dot with the decoded key),
 // laid out in the order split_nibbles64 leaves a row's codes in, and every code row meets it
 // in vpmaddwd (16 products an instruction, summed in pairs into int32; vpdpwssd where the CPU
-// has AVX-VNNI). The rounding moves each query channel by at most max|q| / 65534.
+// has AVX-VNNI or AVX512-VNNI). The rounding moves each query channel by at most max|q| / 65534.
 //   q16 layout, per block b of 64 channels: q16[b * 64 + k * 16 + L * 8 + w] = channel
 //   b * 64 + 32 L + 4 w + k  (k < 4, L < 2 the 128-bit lane, w < 8 the 16-bit word)
 
@@ -328,6 +384,11 @@ inline __m256i dot16x4(const __m256i x[4], const int16_t* q16) {
   s = _mm256_dpwssd_avx_epi32(s, x[1], _mm256_loadu_si256(q + 1));
   s = _mm256_dpwssd_avx_epi32(s, x[2], _mm256_loadu_si256(q + 2));
   return _mm256_dpwssd_avx_epi32(s, x[3], _mm256_loadu_si256(q + 3));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)  // the same instruction, EVEX-coded
+  __m256i s = _mm256_madd_epi16(x[0], _mm256_loadu_si256(q));
+  s = _mm256_dpwssd_epi32(s, x[1], _mm256_loadu_si256(q + 1));
+  s = _mm256_dpwssd_epi32(s, x[2], _mm256_loadu_si256(q + 2));
+  return _mm256_dpwssd_epi32(s, x[3], _mm256_loadu_si256(q + 3));
 #else
   const __m256i s0 = _mm256_madd_epi16(x[0], _mm256_loadu_si256(q));
   const __m256i s1 = _mm256_madd_epi16(x[1], _mm256_loadu_si256(q + 1));
