@@ -117,6 +117,11 @@ class CausalCache:
             raise InvalidConfigError("dtype", dtype, "a floating torch.dtype")
         self.memory = self._normalise_memory(memory)
         self.shift = _rotary_owner(shift)
+        # the shift when it is a rotary embedding (its tables serve the kernels), else None;
+        # checked once: a runtime Protocol check costs ~20 us, too much per layer call
+        self.rotary: RotaryShift | None = (
+            self.shift if isinstance(self.shift, RotaryShift) else None
+        )
         self.model_id: ModelId = ""  # which model's K/V this holds (snapshots check it)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -134,15 +139,14 @@ class CausalCache:
             raise InvalidConfigError("key_rope", key_rope, '"pre", "post" or None')
         if key_rope == "pre" and shift is None:
             raise InvalidConfigError("key_rope", key_rope, '"post" without a shift function')
-        framed = isinstance(self.shift, RotaryShift) and self.key_codec.rotary_centre
+        framed = self.rotary is not None and self.key_codec.rotary_centre
         if key_rope is None:
             pre = shift is not None and self.key_codec.pre_rope and not framed
             key_rope = "pre" if pre else "post"
         self.key_rope = key_rope
         frame = None
-        if framed and key_rope == "post":
-            assert isinstance(self.shift, RotaryShift)
-            frame = RotaryFrame(self.cells.pos, self.shift)
+        if self.rotary is not None and framed and key_rope == "post":
+            frame = RotaryFrame(self.cells.pos, self.rotary)
         self.storage = Storage(
             self.num_cells, dtype, self.device, self.key_codec, self.value_codec, frame
         )
@@ -344,7 +348,7 @@ class CausalCache:
     def _kernel_reads(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the C++ kernels serve this attention (else the plain-torch reference)."""
         d = q.shape[2]
-        rotary = self.key_rope == "post" or isinstance(self.shift, RotaryShift)
+        rotary = self.key_rope == "post" or self.rotary is not None
         return (
             os.environ.get(ATTENTION_ENV, "") != "reference"
             and self.device.type == "cpu"
@@ -361,8 +365,8 @@ class CausalCache:
         have = self._rope_tables
         if have is None or have[0].shape[0] <= max_pos:
             count = max(1024, 1 << (max_pos + 1).bit_length())
-            assert isinstance(self.shift, RotaryShift)
-            cos, sin = self.shift.tables(torch.arange(count), torch.float32)  # [P, 1, D]
+            assert self.rotary is not None
+            cos, sin = self.rotary.tables(torch.arange(count), torch.float32)  # [P, 1, D]
             half = dim // 2
             have = (cos[:, 0, :half].contiguous(), sin[:, 0, half:].contiguous())
             self._rope_tables = have
@@ -376,9 +380,9 @@ class CausalCache:
         tables: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """Keys [n, H, D] rotated by ``positions`` (from ``tables`` of a rotary shift)."""
-        if isinstance(self.shift, RotaryShift) and tables is not None:
+        if self.rotary is not None and tables is not None:
             cos, sin = tables
-            return self.shift.rotate(keys, cos.to(keys.dtype), sin.to(keys.dtype))
+            return self.rotary.rotate(keys, cos.to(keys.dtype), sin.to(keys.dtype))
         assert self.shift is not None, "keys stored before RoPE need a shift"
         return self.shift(layer, keys, positions).to(keys.dtype)
 

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from kvcache.kernels.plan import AttentionPlan, RowBounds
-from kvcache.protocol import RotaryShift
 from kvcache.storage import Seals
 
 if TYPE_CHECKING:
@@ -78,8 +77,8 @@ class ForwardPlan:
 
     def unrotation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """RoPE tables that un-rotate the batch's keys (a rotary shift only), [T, 1, D]."""
-        shift = self._cache.shift
-        if not isinstance(shift, RotaryShift):
+        shift = self._cache.rotary
+        if shift is None:
             return None
         dtype = self._cache.dtype
         return self._get("unrotation", lambda: shift.tables(self.negated_positions(), dtype))

@@ -77,7 +77,9 @@ def attend(
     ext = extension()
     t, hq, d = q.shape
     q32 = q.to(torch.float32).contiguous()
-    if keys.kind == AFFINE_ROWS and keys.bits == 4:
+    if keys.kind == AFFINE_ROWS and keys.bits == 4 and plan.tiles:
+        # the prompt tiles score with the kernel's rounded query (a decode-only call leaves
+        # the rounding to the kernel: the same steps, without ~10 torch ops a layer)
         q32 = int16_steps(q32, scale)
     k_args = layout_args(keys, pre_rope)
     v_args = layout_args(values, False)

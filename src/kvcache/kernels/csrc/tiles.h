@@ -351,13 +351,13 @@ inline float quantize_query16(float* q, int D, int16_t* q16) {
     std::fill(q16, q16 + D, (int16_t)0);
     return 0.f;
   }
-  const float qscale = top / 32767.f, inv = 32767.f / top;
+  const float qscale = top / 32767.f;
   for (int b = 0; b < D; b += 64)
     for (int k = 0; k < 4; ++k)
       for (int L = 0; L < 2; ++L)
         for (int w = 0; w < 8; ++w) {
           const int c = b + 32 * L + 4 * w + k;
-          const float steps = std::nearbyint(q[c] * inv);
+          const float steps = std::nearbyint(q[c] / qscale);  // as int16_steps (attend.py)
           q16[b + k * 16 + L * 8 + w] = (int16_t)steps;
           q[c] = steps * qscale;
         }
