@@ -964,7 +964,8 @@ void decode(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos
       return r.bits == 4 ? decode_affine_channels<4>(t, a, b)
                          : decode_affine_channels<2>(t, a, b);
     case TURBO:
-      return with_turbo_bits(r.bits, [&](auto bits) { decode_turbo<decltype(bits)::value>(t, a, b); });
+      return with_turbo_bits(r.bits,
+                             [&](auto bits) { decode_turbo<decltype(bits)::value>(t, a, b); });
     default:
       TORCH_CHECK(false, "kvcache kernel: unknown codec kind ", r.kind);
   }

@@ -88,7 +88,9 @@ struct Vec8 {
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
   static void store(float* x, V v) { _mm256_storeu_ps(x, v); }
-  static V nibbles(const uint8_t* row, int64_t c) { return _mm256_cvtepi32_ps(nibbles8(row, c)); }
+  static V nibbles(const uint8_t* row, int64_t c) {
+    return _mm256_cvtepi32_ps(nibbles8(row, c));
+  }
   static __m128 sums4(V a0, V a1, V a2, V a3) { return kvk::sums4(a0, a1, a2, a3); }
   static float sum(V a) { return hsum8(a); }
 };
@@ -281,8 +283,8 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = V::zero();
   for (int i = 0; i < half; i += V::W) {
-    if (ls != nullptr) ls->step();
-    if (ls != nullptr && V::W == 16) ls->step();  // as many steps per cell at either width
+    if (ls != nullptr)  // a step per 8 channels, as many per cell at either width
+      for (int s = 0; s < V::W / 8; ++s) ls->step();
     for (int c = 0; c < NC; ++c) {
       typename V::V r1, r2;
       kivi_rotated<V>(t.rows[j + c], t.a[j + c], t.b[j + c], t.cs[j + c], t.sn[j + c], i, half,
