@@ -26,8 +26,12 @@ Only decode-only steps in which all B sequences decode count (one whose prompt e
 decodes during the others' prefill chunks); the first ``--warm`` are dropped and the rate is
 B / the median step (a median ignores a burst of load on a shared machine). Prefill tok/s is
 the same run's ``stats.prefill_rate``. Every codec and batch is warmed up before it is timed.
-Workers, one subprocess each: attention; long + floor; one per grid context (its batches and
-codecs in turn, one cache at a time); one per transformers measurement.
+Workers, one subprocess each: attention; long + floor; one per grid context; one per
+transformers measurement. In the grid and long workers every contender (codec x batch) is
+prefilled in a Generator of its own, then they decode in turn, one step each per round (the
+order rotating), so a slow minute of a shared VM slows every contender of that round alike;
+each ratio (``x fp32``, the goals) is the median of the per-round ratios, not a ratio of two
+medians taken minutes apart (on an Ice Lake VM two runs of one build differed by 1.8x).
 
     python benchmarks/decode.py            # the issue-11 grid: ~400k prompt tokens to prefill
     python benchmarks/decode.py --quick    # 1 and 16 x 1k, one sequence at 4k: ~120k
@@ -99,34 +103,80 @@ QUIET_LOAD = 0.5  # 1-minute load average above which the machine was not quiet
 
 
 # ---- measurements (inside a worker) --------------------------------------------------
-def decode(model: Any, prompts: list[list[int]], codec: str, args: argparse.Namespace) -> dict:
-    """Prefill ``prompts`` together, then decode; rates from the Generator's counters."""
-    from kvcache.generate import GenerationConfig, Generator
+class Contender:
+    """One codec and batch of prompts in a Generator of its own, stepped from outside."""
 
-    b, n = len(prompts), max(len(p) for p in prompts)
-    warm_up(model, b, codec, args.max_batch)
-    mixed = -(-b * n // (args.max_batch - b)) + 1  # steps with prompt rows, at most
-    new = args.warm + args.steps + mixed
-    gen = Generator(model, capacity=n + new, max_sequences=b, max_batch=args.max_batch, codec=codec)
-    first = gen.add_many(prompts, GenerationConfig(max_new_tokens=new, ignore_eos=True))[0]
-    s, steps = gen.stats, []
-    while gen.busy and (b == 1 or len(steps) < args.warm + args.steps):  # 1: its tokens
+    def __init__(
+        self, model: Any, prompts: list[list[int]], codec: str, args: argparse.Namespace
+    ) -> None:
+        from kvcache.generate import GenerationConfig, Generator
+
+        self.codec, self.batch, self.context = codec, len(prompts), max(len(p) for p in prompts)
+        warm_up(model, self.batch, codec, args.max_batch)
+        b, n = self.batch, self.context
+        mixed = -(-b * n // (args.max_batch - b)) + 1  # steps with prompt rows, at most
+        new = args.warm + args.steps + mixed + 1
+        self.gen = Generator(
+            model, capacity=n + new, max_sequences=b, max_batch=args.max_batch, codec=codec
+        )
+        config = GenerationConfig(max_new_tokens=new, ignore_eos=True)
+        self.first = self.gen.add_many(prompts, config)[0]
+        self.steps: list[float] = []
+        while not self.step():  # the prompts, then one decode step (untimed)
+            pass
+        self.steps.clear()
+
+    def step(self) -> bool:
+        """One Generator step; whether all B sequences decoded in it (its time is kept)."""
+        s = self.gen.stats
         prefilled, decoded, seconds = s.prefill_tokens, s.decode_tokens, s.decode_seconds
-        gen.step()
-        if s.prefill_tokens == prefilled and s.decode_tokens - decoded == b:
-            steps.append(s.decode_seconds - seconds)
-    gen.close()
-    timed = steps[args.warm : args.warm + args.steps]
-    assert len(timed) == args.steps, (
-        f"{len(steps)} full decode steps, need {args.warm}+{args.steps}"
-    )
-    return {
-        "prefill_tok_s": s.prefill_rate,
-        "decode_tok_s": b / statistics.median(timed),
-        "decode_tok_s_mean": b * len(timed) / sum(timed),
-        "step_ms": [round(t * 1e3, 2) for t in timed],
-        "tokens": gen.results[first].tokens if first in gen.results else [],
-    }
+        self.gen.step()
+        full = s.prefill_tokens == prefilled and s.decode_tokens - decoded == self.batch
+        if full:
+            self.steps.append(s.decode_seconds - seconds)
+        return full
+
+    def finish(self, args: argparse.Namespace) -> dict[str, Any]:
+        """The row: rates from the timed steps (one sequence: decoded to the end, its tokens)."""
+        while self.batch == 1 and self.gen.busy:
+            self.gen.step()
+        self.gen.close()
+        timed = self.steps[args.warm :]
+        s = self.gen.stats
+        return {
+            "codec": self.codec,
+            "batch": self.batch,
+            "context": self.context,
+            "prefill_tok_s": s.prefill_rate,
+            "decode_tok_s": self.batch / statistics.median(timed),
+            "decode_tok_s_mean": self.batch * len(timed) / sum(timed),
+            "step_ms": [round(t * 1e3, 3) for t in timed],
+            "tokens": self.gen.results[self.first].tokens if self.first in self.gen.results else [],
+        }
+
+
+def decode_in_turn(
+    model: Any, runs: list[tuple[str, list[list[int]]]], args: argparse.Namespace, group: str
+) -> list[dict[str, Any]]:
+    """Each (codec, prompts) prefilled in a Generator of its own, one after another; then
+    ``--warm`` + ``--steps`` rounds in which every contender takes one decode step, the
+    order rotating by one each round. A slow minute on a shared machine slows every
+    contender of a round alike, so the median of per-round ratios (``paired``) compares
+    them where separate runs, minutes apart, would not."""
+    contenders = []
+    for codec, prompts in runs:
+        contenders.append(Contender(model, prompts, codec, args))
+        c = contenders[-1]
+        print(f"  prefilled {codec:7} {c.batch:2} x {c.context:5}", file=sys.stderr, flush=True)
+    for r in range(args.warm + args.steps):
+        k = r % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            assert c.step(), f"{c.codec} {c.batch}x{c.context}: a step that was not all decode"
+    rows = []
+    for c in contenders:
+        rows.append({**c.finish(args), "group": group})
+        progress(rows[-1])
+    return rows
 
 
 def warm_up(model: Any, batch: int, codec: str, max_batch: int) -> None:
@@ -177,29 +227,25 @@ def attention_op(codec: str, args: argparse.Namespace) -> dict[str, float]:
 
 # ---- workers (a subprocess each) -----------------------------------------------------
 def worker_grid(args: argparse.Namespace, tokens: list[int]) -> dict[str, Any]:
-    """Every batch and codec at one context: B windows of the texts decoding together."""
+    """Every batch and codec at one context, in turn step by step: B windows of the texts
+    decoding together."""
     model = load_model()
-    c, rows = args.context, []
-    for b in args.batches:
-        prompts = [tokens[i * c : (i + 1) * c] for i in range(b)]  # distinct windows
-        for codec in args.codecs:
-            rows.append(
-                {"codec": codec, "batch": b, "context": c, **decode(model, prompts, codec, args)}
-            )
-            progress(rows[-1])
-    return {"rows": rows}
+    c = args.context
+    runs = [
+        (codec, [tokens[i * c : (i + 1) * c] for i in range(b)])  # distinct windows
+        for b in args.batches
+        for codec in args.codecs
+    ]
+    return {"rows": decode_in_turn(model, runs, args, f"grid {c}")}
 
 
 def worker_long(args: argparse.Namespace, tokens: list[int]) -> dict[str, Any]:
-    """The short step (fp32), then one sequence at the long context per codec, between two
-    read bandwidth measurements (the best kept)."""
+    """The short step (fp32) and one sequence at the long context per codec, in turn step
+    by step, between two read bandwidth measurements (the best kept)."""
     model = load_model()
     bandwidth = [read_bandwidth()]
-    rows = []
-    for codec, n in [("fp32", SHORT), *[(codec, args.long) for codec in args.long_codecs]]:
-        rows.append({"codec": codec, "batch": 1, "context": n})
-        rows[-1] |= decode(model, [tokens[:n]], codec, args)
-        progress(rows[-1])
+    runs = [("fp32", [tokens[:SHORT]]), *[(c, [tokens[: args.long]]) for c in args.long_codecs]]
+    rows = decode_in_turn(model, runs, args, "long")
     bandwidth.append(read_bandwidth())
     c = model.config
     kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # fp32 K and V
@@ -368,10 +414,26 @@ def write_tokens(args: argparse.Namespace, folder: Path) -> Path:
 
 # ---- report ----------------------------------------------------------------------------
 Rates = dict[tuple[str, int, int], float]  # (codec, batch, context) -> decode tok/s
+Runs = dict[tuple[str, int, int], dict[str, Any]]  # (codec, batch, context) -> its row
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def paired(runs: Runs, a: tuple[str, int, int], b: tuple[str, int, int]) -> float | None:
+    """a's aggregate decode rate / b's: the median of the per-round ratios where the two took
+    turns in one worker (``decode_in_turn``), else the ratio of their medians."""
+    ra, rb = runs.get(a), runs.get(b)
+    if ra is None or rb is None:
+        return None
+    if ra.get("group") == rb.get("group") and len(ra["step_ms"]) == len(rb["step_ms"]):
+        per_round = [
+            (ra["batch"] / ta) / (rb["batch"] / tb)
+            for ta, tb in zip(ra["step_ms"], rb["step_ms"], strict=True)
+        ]
+        return statistics.median(per_round)
+    return ratio(ra["decode_tok_s"], rb["decode_tok_s"])
 
 
 def goal_row(figure: str, value: float | None, goal: float) -> dict[str, Any]:
@@ -380,17 +442,18 @@ def goal_row(figure: str, value: float | None, goal: float) -> dict[str, Any]:
     return {"figure": figure, "value": shown, "goal": f">= {goal:g}", "status": status}
 
 
-def goals(args: argparse.Namespace, rate: Rates, floor: dict, attn: list[dict]) -> list[dict]:
-    """Every goal of the issue with its value (the first grid context, the largest batch)."""
+def goals(args: argparse.Namespace, runs: Runs, floor: dict, attn: list[dict]) -> list[dict]:
+    """Every goal of the issue with its value (the first grid context, the largest batch);
+    the decode ratios are medians of per-round ratios (``paired``)."""
     c0, top, long = args.contexts[0], max(args.batches), args.long
-    scaling = ratio(rate.get(("fp32", top, c0)), rate.get(("fp32", 1, c0)))
+    scaling = paired(runs, ("fp32", top, c0), ("fp32", 1, c0))
     rows = [goal_row(f"{top}x{c0} fp32 / 1x{c0} fp32", scaling, BATCH_GOAL)]
     for c in args.contexts:
         for codec, goal in CODEC_GOALS.items():
-            value = ratio(rate.get((codec, top, c)), rate.get(("fp32", top, c)))
+            value = paired(runs, (codec, top, c), ("fp32", top, c))
             rows.append(goal_row(f"{top}x{c} {codec} / fp32", value, goal))
     for codec, goal in LONG_GOALS.items():
-        value = ratio(rate.get((codec, 1, long)), rate.get(("fp32", 1, long)))
+        value = paired(runs, (codec, 1, long), ("fp32", 1, long))
         rows.append(goal_row(f"1x{long} {codec} / fp32", value, goal))
     figure = f"1x{long} fp32 / floor {floor['floor_tok_s']:.1f} tok/s"
     rows.append(goal_row(figure, floor["fraction"], FLOOR_GOAL))
@@ -415,14 +478,17 @@ def floor_of(args: argparse.Namespace, long: dict[str, Any], rate: Rates) -> dic
     }
 
 
-def pivot(runs: list[dict[str, Any]], key: str, rate: Rates) -> list[dict[str, Any]]:
-    """A line per codec, a column per batch x prompt tokens (decode: x fp32 beside)."""
+def pivot(runs: list[dict[str, Any]], key: str, by_key: Runs) -> list[dict[str, Any]]:
+    """A line per codec, a column per batch x prompt tokens (decode: x fp32 beside, the
+    median of per-round ratios)."""
     lines: dict[str, dict[str, Any]] = {}
     for r in sorted(runs, key=lambda r: (r["context"], r["batch"])):
         text = f"{r[key]:.1f}"
-        fp32 = rate.get(("fp32", r["batch"], r["context"]))
-        if key == "decode_tok_s" and r["codec"] != "fp32" and fp32:
-            text += f" ({r[key] / fp32:.2f}x)"
+        vs = paired(
+            by_key, (r["codec"], r["batch"], r["context"]), ("fp32", r["batch"], r["context"])
+        )
+        if key == "decode_tok_s" and r["codec"] != "fp32" and vs is not None:
+            text += f" ({vs:.2f}x)"
         lines.setdefault(r["codec"], {"codec": r["codec"]})[f"{r['batch']}x{r['context']}"] = text
     return list(lines.values())
 
@@ -456,7 +522,8 @@ def report(args: argparse.Namespace, results: dict[tuple[str, int], Any]) -> dic
     for r in attn["rows"]:
         r["of_bandwidth"] = r["gb_s"] * 1e9 / attn["bandwidth"]
     runs = grid + long["rows"]
-    rate = {(r["codec"], r["batch"], r["context"]): r["decode_tok_s"] for r in runs}
+    by_key = {(r["codec"], r["batch"], r["context"]): r for r in runs}
+    rate = {key: r["decode_tok_s"] for key, r in by_key.items()}
     floor = floor_of(args, long, rate)
     ours = {
         r["context"]: r
@@ -466,11 +533,11 @@ def report(args: argparse.Namespace, results: dict[tuple[str, int], Any]) -> dic
     hf = {key: res for key, res in results.items() if key[0] in HF_SYSTEMS}
     return {
         "tables": {
-            "decode": pivot(runs, "decode_tok_s", rate),
-            "prefill": pivot(runs, "prefill_tok_s", rate),
+            "decode": pivot(runs, "decode_tok_s", by_key),
+            "prefill": pivot(runs, "prefill_tok_s", by_key),
             "attention": attn["rows"],
             "transformers": hf_rows(ours, hf),
-            "goals": goals(args, rate, floor, attn["rows"]),
+            "goals": goals(args, by_key, floor, attn["rows"]),
         },
         "floor": floor,
         "attention_bandwidth_gb_s": attn["bandwidth"] / 1e9,
