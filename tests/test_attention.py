@@ -204,6 +204,41 @@ def test_the_kernels_run_on_torchs_threads():
         torch.set_num_threads(previous)
 
 
+def test_the_kernel_rounds_queries_to_int16_steps_as_the_reference_does():
+    """With 4-bit keys the kernel scores an int16-rounded query and the reference (and the
+    tests' bounds) assume ``int16_steps``' rounding: the two must agree on every channel, ties
+    (half to even) included, or a score moves by a step's worth (the state machine once caught
+    that at random, when the kernel multiplied by the step's inverse instead of dividing)."""
+    from kvcache.kernels.attend import int16_steps
+    from kvcache.kernels.build import extension
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4096, 2 * D, generator=g) * torch.logspace(-4, 4, 4096)[:, None]
+    ties = torch.zeros(4, 2 * D)  # step 2**-10 exactly: halves of a step are exact ties
+    ties[:, 0] = 32767 * 2.0**-10
+    ties[:, 1:8] = torch.tensor([0.5, 1.5, 2.5, -2.5, 3.5, 100.5, -32766.5]) * 2.0**-10
+    q = torch.cat([q, ties])
+    rounded, q16, step = extension().query_steps16(q)
+    assert torch.equal(rounded, int16_steps(q[:, None], 1.0)[:, 0])
+    assert torch.equal(step[-4:], torch.full((4,), 2.0**-10))
+    # q16 holds the same steps in the kernel's layout: [b*64 + k*16 + L*8 + w] = channel
+    # b*64 + 32 L + 4 w + k
+    channel = torch.tensor(
+        [
+            b + 32 * L + 4 * w + k
+            for b in (0, 64)
+            for k in range(4)
+            for L in (0, 1)
+            for w in range(8)
+        ]
+    )
+    assert torch.equal(q16.float() * step[:, None], rounded[:, channel])
+    half_even = torch.tensor([0, 2, 2, -2, 4, 100, -32766], dtype=torch.int16)
+    assert torch.equal(
+        q16[-1, (channel[:, None] == torch.arange(1, 8)).float().argmax(0)], half_even
+    )
+
+
 def test_another_cpu_gets_its_own_kernel_build(monkeypatch: pytest.MonkeyPatch):
     """The kernels are built with -march=native: a build folder shared by two machines (one
     home on both) must not load one CPU's instructions on the other, so the CPU names it."""

@@ -623,6 +623,23 @@ at::Tensor gather(const at::Tensor& cells, const at::Tensor& pos,
   return out;
 }
 
+// quantize_query16 over rows q [R, D] float32 (D a multiple of 64), as a 4-bit key call
+// rounds its queries: the rounded rows, their int16 steps in the kernel's layout (tiles.h) and
+// each row's step. Tests hold its rounding to int16_steps' (attend.py), ties included.
+std::vector<at::Tensor> query_steps16(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.size(1) % 64 == 0,
+              "kvcache kernel: query_steps16 takes float32 rows [R, D], D a multiple of 64");
+  const int64_t R = q.size(0), D = q.size(1);
+  at::Tensor rounded = q.contiguous().clone();
+  at::Tensor q16 = at::empty({R, D}, at::TensorOptions().dtype(at::kShort));
+  at::Tensor step = at::empty({R}, at::TensorOptions().dtype(at::kFloat));
+  float* x = rounded.data_ptr<float>();
+  int16_t* y = q16.data_ptr<int16_t>();
+  float* s = step.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) s[r] = quantize_query16(x + r * D, (int)D, y + r * D);
+  return {rounded, q16, step};
+}
+
 // Distinct threads that ran the items of an at::parallel_for over n items: torch's thread
 // count when the extension is built with OpenMP, 1 when it is not (ATen's parallel_for is a
 // header whose `omp parallel` pragma a build without -fopenmp silently ignores).
@@ -650,5 +667,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather", &kvk::gather, "decoded rows of cells");
   m.def("linear_rows", &kvk::linear_rows, "x @ w^T (+ bias) for a few rows of x");
   m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
+  m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit keys)");
   m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
 }
