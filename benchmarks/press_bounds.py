@@ -1,0 +1,266 @@
+"""Bounds of decode-time pressing (issue 14): would a better choice of cells reach ΔPPL <= 5 %
+with the cache capped at 1/4 of the history?
+
+The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, one 2048-token window
+of the Debian license texts: a 1024-token prompt, then 1024 tokens scored one decode step at a
+time; every ``--every`` steps the cache goes back to CAP of the tokens seen), against the
+unpressed cache. Three ways to choose what stays, each at every ``--caps`` value:
+
+    snapkv    the library's press (``make_press("snapkv")``): one decision per cell, for all
+              layers and heads, from the newest 64 queries
+    oracle    one decision per cell, scored by the attention the next ``--every`` queries
+              of the *unpressed* run pay each cell (summed over layers and query heads): a
+              press that knew the queries to come
+    perhead   every (layer, KV head) keeps its own CAP of the cells, by SnapKV's scores for
+              that head over the cells it still sees (window 64, pooling 5): head-wise
+              budgets at the same share per head. Simulated in plain torch, mask only: the
+              cache keeps every cell (``held_union`` is the share of cells some head kept)
+
+If ``oracle`` and ``perhead`` land where ``snapkv`` does, the press's choice is not what
+stands between it and the goal: the share of the history is.
+
+    python benchmarks/press_bounds.py                   # caps 0.25 0.5, ~30 min
+    python benchmarks/press_bounds.py --quick           # cap 0.25, snapkv and perhead
+    python benchmarks/press_bounds.py --caps 0.25 0.75 --modes snapkv oracle
+
+Writes benchmarks/results/press_bounds.json and press_bounds.png (ΔPPL against the cap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kv_quality as kq  # noqa: E402
+from common import RESULTS, license_tokens, table, write_json  # noqa: E402
+from kvcache import Batch, CausalCache  # noqa: E402
+from kvcache.forward import ForwardPlan  # noqa: E402
+from kvcache.models.llama import Llama  # noqa: E402
+from kvcache.press.base import Press, Scoring, newest_first, top_cells  # noqa: E402
+from kvcache.press.snapkv import KERNEL, WINDOW  # noqa: E402
+
+MODES = ("snapkv", "oracle", "perhead")
+Queries = dict[int, tuple[torch.Tensor, np.ndarray]]  # layer -> q [N, Hq, D], positions [N]
+
+
+def unpressed(model: Llama, tokens: list[int], prefill: int) -> tuple[torch.Tensor, Queries]:
+    """Log-probs [len - prefill, V] of the unpressed fp32 cache decoding ``tokens`` after
+    ``prefill`` (one step a token), and every layer's queries of the run."""
+    cache = kq.make_cache(model, "fp32", len(tokens))
+    seen: dict[int, list[tuple[torch.Tensor, np.ndarray]]] = {}
+
+    def record(layer: int, q: torch.Tensor, plan: ForwardPlan) -> None:
+        seen.setdefault(layer, []).append((q.float().clone(), plan.positions.copy()))
+
+    cache.add_observer(record)
+    lp = decode_logprobs(model, cache, tokens, prefill, lambda i: None)
+    cache.close()
+    queries = {
+        layer: (torch.cat([q for q, _ in rows]), np.concatenate([p for _, p in rows]))
+        for layer, rows in seen.items()
+    }
+    return lp, queries
+
+
+def decode_logprobs(model: Llama, cache: CausalCache, tokens: list[int], prefill: int, after):
+    """The prompt, then one decode step a token with ``after(i)`` once token i is in."""
+    batch = Batch.single(0, 0, prefill)
+    out = [model.forward(tokens[:prefill], batch, cache, outputs=[prefill - 1])]
+    for i in range(prefill, len(tokens) - 1):
+        out.append(model.forward([tokens[i]], Batch.single(0, cache.next_position(0), 1), cache))
+        after(i)
+    return torch.log_softmax(torch.cat(out).double(), dim=-1)
+
+
+class FutureAttention(Press):
+    """One decision per cell: the attention the queries of the next ``every`` positions (from
+    an unpressed run) pay each cell, summed over layers and query heads."""
+
+    name = "oracle"
+
+    def __init__(self, queries: Queries, every: int) -> None:
+        super().__init__(0.0)
+        self.future, self.every = queries, every
+
+    def scores(self, ctx: Scoring) -> torch.Tensor:
+        now, out = int(ctx.pos.max()), []
+        for layer in ctx.layers():
+            q, qpos = self.future[layer]
+            q = q[torch.from_numpy((qpos > now) & (qpos <= now + self.every))]  # [w, Hq, D]
+            k = ctx.kv(layer)[0]  # [n, Hkv, D]
+            (w, hq, d), hkv = q.shape, k.shape[1]
+            logits = torch.einsum("wkgd,nkd->kgwn", q.view(w, hkv, hq // hkv, d), k.to(q.dtype))
+            out.append(torch.softmax(logits / math.sqrt(d), dim=-1).sum(dim=(1, 2)))  # [Hkv, n]
+        return torch.stack(out)  # [L, Hkv, n]
+
+    def select(self, ctx: Scoring, keep: int) -> np.ndarray:
+        return top_cells(newest_first(self.scores(ctx).double().sum(dim=(0, 1)).numpy()), keep)
+
+
+def pressed(
+    model: Llama, tokens: list[int], prefill: int, press: Press, cap: float, every: int
+) -> torch.Tensor:
+    """Log-probs with ``press`` keeping CAP of the history every ``every`` decode steps."""
+    cache = kq.make_cache(model, "fp32", len(tokens))
+    decode = press.during_decode(max_cells=1, every=1)
+
+    def after(i: int) -> None:
+        if (i - prefill) % every == 0:
+            decode.max_cells = int(cap * (i + 1))
+            decode.step(cache, 0)
+
+    with press.observe(cache):
+        lp = decode_logprobs(model, cache, tokens, prefill, after)
+    cache.close()
+    return lp
+
+
+class PerHead:
+    """Head-wise eviction, simulated: ``cache.attention`` replaced by a plain-torch attention
+    that also masks, per (layer, KV head), the cells that head no longer sees."""
+
+    def __init__(self, cache: CausalCache, layers: int, heads: int, cells: int) -> None:
+        self.cache = cache
+        self.valid = torch.ones(layers, heads, cells, dtype=torch.bool)  # [L, Hkv, N]
+        self.q: dict[int, torch.Tensor] = {}  # layer -> the newest WINDOW queries
+        cache.attention = self.attention  # type: ignore[method-assign]
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=None
+    ) -> torch.Tensor:
+        keys, values, mask = self.cache.update(layer, k, v)  # [n, Hkv, D] x2, [T, n]
+        (t, hq, d), (n, hkv, _) = q.shape, keys.shape
+        seen = mask[:, None, :] & self.valid[layer][None, :, :n]  # [T, Hkv, n]
+        qg = q.view(t, hkv, hq // hkv, d).to(keys.dtype)
+        logits = torch.einsum("thgd,nhd->thgn", qg, keys) * (scale or d**-0.5)
+        p = torch.softmax(logits.masked_fill(~seen[:, :, None, :], float("-inf")), dim=-1)
+        old = self.q.get(layer)
+        self.q[layer] = (q if old is None else torch.cat([old, q]))[-WINDOW:]
+        return torch.einsum("thgn,nhd->thgd", p, values).reshape(t, hq, -1).to(q.dtype)
+
+    def scores(self, layer: int, n: int) -> torch.Tensor:
+        """SnapKV's scores [Hkv, n] of each head over the cells it sees (the observed window's
+        own cells: +inf, kept)."""
+        keys = self.cache.read(layer, slice(0, n))[0]  # one sequence, cells = positions
+        q = self.q[layer]
+        (w, hq, d), hkv = q.shape, keys.shape[1]
+        logits = torch.einsum("whgd,nhd->hgwn", q.view(w, hkv, hq // hkv, d).to(keys.dtype), keys)
+        qpos = torch.arange(n - w, n)
+        seen = (torch.arange(n)[None, :] <= qpos[:, None]) & self.valid[layer][:, None, :n]
+        p = torch.softmax((logits / math.sqrt(d)).masked_fill(~seen[:, None], float("-inf")), -1)
+        s = F.avg_pool1d(p.mean(dim=(1, 2))[:, None].float(), KERNEL, 1, KERNEL // 2)[:, 0]
+        s = s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
+        s[:, n - w :] = math.inf
+        return s
+
+    def press(self, n: int, keep: int) -> None:
+        """Each (layer, head) keeps its ``keep`` best of the first ``n`` cells."""
+        assert np.array_equal(self.cache.cells_of(0), np.arange(n)), "cells are not positions"
+        for layer in range(self.valid.shape[0]):
+            best = self.scores(layer, n).topk(keep, dim=-1).indices  # [Hkv, keep]
+            kept = torch.zeros_like(self.valid[layer, :, :n]).scatter_(-1, best, True)
+            self.valid[layer, :, :n] &= kept
+
+
+def per_head(
+    model: Llama, tokens: list[int], prefill: int, cap: float, every: int
+) -> tuple[torch.Tensor, float, float]:
+    """Log-probs under head-wise eviction, the mean share each head saw and the mean share of
+    cells some head still saw (what a mask-only cache would have to hold)."""
+    c = model.config
+    cache = kq.make_cache(model, "fp32", len(tokens))
+    sim = PerHead(cache, c.num_layers, c.num_kv_heads, len(tokens))
+    shares: list[tuple[float, float]] = []
+
+    def after(i: int) -> None:
+        if (i - prefill) % every == 0:
+            sim.press(i + 1, int(cap * (i + 1)))
+        seen = sim.valid[:, :, : i + 1]
+        shares.append(
+            (float(seen.float().mean()), float(seen.any(dim=1).any(dim=0).float().mean()))
+        )
+
+    lp = decode_logprobs(model, cache, tokens, prefill, after)
+    cache.close()
+    head, union = np.mean(shares, axis=0)
+    return lp, float(head), float(union)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="cap 0.25, snapkv and perhead")
+    parser.add_argument("--caps", type=float, nargs="+", help="cells kept / tokens seen")
+    parser.add_argument("--modes", nargs="+", choices=MODES, help=f"{' '.join(MODES)}")
+    parser.add_argument("--every", type=int, default=16, help="decode steps between presses")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    args.caps = args.caps or ([0.25] if args.quick else [0.25, 0.5])
+    args.modes = args.modes or (["snapkv", "perhead"] if args.quick else list(MODES))
+    if not all(0 < c < 1 for c in args.caps):
+        parser.error(f"--caps {args.caps}: fractions in (0, 1)")
+    torch.set_num_threads(args.threads)
+    from kvcache.press import make_press
+    from kvcache.text.tokenizer import Tokenizer
+
+    model = Llama.from_gguf()
+    tokens = license_tokens(Tokenizer.from_gguf(), kq.WINDOW)
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        base, queries = unpressed(model, tokens, kq.PREFILL)
+        ppl = kq.quality([base], [tokens], [base])["ppl"]
+        for cap in args.caps:
+            for mode in tqdm(args.modes, desc=f"cap {cap:g}", unit="mode"):
+                union = None
+                if mode == "perhead":
+                    lp, held, union = per_head(model, tokens, kq.PREFILL, cap, args.every)
+                else:
+                    press = make_press("snapkv:0.5") if mode == "snapkv" else None  # ratio unused
+                    press = press or FutureAttention(queries, args.every)
+                    lp, held = pressed(model, tokens, kq.PREFILL, press, cap, args.every), cap
+                q = kq.quality([lp], [tokens], [base])
+                rows.append({"mode": mode, "cap": cap, "held": held, "held_union": union, **q})
+                rows[-1]["dppl_pct"] = 100 * (q["ppl"] / ppl - 1)
+                print(table(rows[-1:], list(rows[-1])), flush=True)
+    print(f"\nunpressed fp32 PPL {ppl:.3f}\n{table(rows, list(rows[0]))}")
+    path = write_json("press_bounds", {"ppl": ppl, "every": args.every, "rows": rows})
+    print(f"wrote {path}")
+    plot(rows, RESULTS / "press_bounds.png")
+    return 0
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        pts = sorted((r["cap"], r["dppl_pct"]) for r in rows if r["mode"] == mode)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+    ax.axhline(kq.DECODE_PRESS_GOAL, color="black", ls="--", lw=1, label="issue 14 goal (at 1/4)")
+    ax.set(
+        xlabel="cells kept / tokens seen",
+        ylabel="ΔPPL % vs the unpressed cache",
+        title="SmolLM2-135M, decode-time pressing: the press's choice against the budget",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
