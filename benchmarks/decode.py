@@ -123,7 +123,7 @@ class Contender:
         self.first = self.gen.add_many(prompts, config)[0]
         self.steps: list[float] = []
         while not self.step():  # the prompts, then one decode step (untimed)
-            pass
+            assert self.gen.busy, f"{codec} {b}x{n}: done before a step that was all decode"
         self.steps.clear()
 
     def step(self) -> bool:
