@@ -9,8 +9,8 @@ unpressed cache. Three ways to choose what stays, each at every ``--caps`` value
     snapkv    the library's press (``make_press("snapkv")``): one decision per cell, for all
               layers and heads, from the newest 64 queries
     oracle    one decision per cell, scored by the attention the next ``--every`` queries
-              of the *unpressed* run pay each cell (summed over layers and query heads): a
-              press that knew the queries to come
+              of the *unpressed* run pay each cell held now (summed over layers and query
+              heads): a press that knew the queries to come
     perhead   every (layer, KV head) keeps its own CAP of the cells, by SnapKV's scores for
               that head over the cells it still sees (window 64, pooling 5): head-wise
               budgets at the same share per head. Simulated in plain torch, mask only: the
@@ -108,20 +108,23 @@ class FutureAttention(Press):
 
 def pressed(
     model: Llama, tokens: list[int], prefill: int, press: Press, cap: float, every: int
-) -> torch.Tensor:
-    """Log-probs with ``press`` keeping CAP of the history every ``every`` decode steps."""
+) -> tuple[torch.Tensor, float]:
+    """Log-probs with ``press`` keeping CAP of the history every ``every`` decode steps, and
+    the mean share of the history held (CAP to CAP + every / history between presses)."""
     cache = kq.make_cache(model, "fp32", len(tokens))
     decode = press.during_decode(max_cells=1, every=1)
+    held: list[float] = []
 
     def after(i: int) -> None:
         if (i - prefill) % every == 0:
             decode.max_cells = int(cap * (i + 1))
             decode.step(cache, 0)
+        held.append(len(cache.cells_of(0)) / (i + 1))
 
     with press.observe(cache):
         lp = decode_logprobs(model, cache, tokens, prefill, after)
     cache.close()
-    return lp
+    return lp, float(np.mean(held))
 
 
 class PerHead:
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     press = make_press("snapkv:0.5") if mode == "snapkv" else None  # ratio unused
                     press = press or FutureAttention(queries, args.every)
-                    lp, held = pressed(model, tokens, kq.PREFILL, press, cap, args.every), cap
+                    lp, held = pressed(model, tokens, kq.PREFILL, press, cap, args.every)
                 q = kq.quality([lp], [tokens], [base])
                 rows.append({"mode": mode, "cap": cap, "held": held, "held_union": union, **q})
                 rows[-1]["dppl_pct"] = 100 * (q["ppl"] / ppl - 1)
