@@ -483,11 +483,13 @@ def pivot(runs: list[dict[str, Any]], key: str, by_key: Runs) -> list[dict[str, 
     median of per-round ratios)."""
     lines: dict[str, dict[str, Any]] = {}
     for r in sorted(runs, key=lambda r: (r["context"], r["batch"])):
-        text = f"{r[key]:.1f}"
-        vs = paired(
-            by_key, (r["codec"], r["batch"], r["context"]), ("fp32", r["batch"], r["context"])
+        text, shape = f"{r[key]:.1f}", (r["batch"], r["context"])
+        vs = (
+            paired(by_key, (r["codec"], *shape), ("fp32", *shape))
+            if key == "decode_tok_s"
+            else None
         )
-        if key == "decode_tok_s" and r["codec"] != "fp32" and vs is not None:
+        if r["codec"] != "fp32" and vs is not None:
             text += f" ({vs:.2f}x)"
         lines.setdefault(r["codec"], {"codec": r["codec"]})[f"{r['batch']}x{r['context']}"] = text
     return list(lines.values())

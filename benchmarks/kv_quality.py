@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -46,6 +46,9 @@ from common import RESULTS, license_tokens, table, write_json  # noqa: E402
 from kvcache import Batch, CausalCache  # noqa: E402
 from kvcache.models.llama import Llama  # noqa: E402
 from kvcache.text.tokenizer import Tokenizer  # noqa: E402
+
+if TYPE_CHECKING:  # kvcache.press is optional here (see --press-decode)
+    from kvcache.press.base import Press
 
 CODECS = [
     "fp32",
@@ -93,13 +96,14 @@ def window_logprobs(model: Llama, codec: str, tokens: list[int]) -> torch.Tensor
 
 
 def pressed_logprobs(
-    model: Llama, codec: str, tokens: list[int], spec: str, cap: float, every: int
+    model: Llama, codec: str, tokens: list[int], spec: str | Press, cap: float, every: int
 ) -> tuple[torch.Tensor, float]:
     """Log-probabilities [1024, V] of one window decoded one token per step with the cache
-    capped by a decode-time press, and the mean share of the history the cache held."""
+    capped by a decode-time press (a spec, or a press object), and the mean share of the
+    history the cache held."""
     from kvcache.press import make_press
 
-    press = make_press(spec)
+    press = make_press(spec) if isinstance(spec, str) else spec
     cache = make_cache(model, codec, WINDOW)
     held = 0.0
     with press.observe(cache):

@@ -106,27 +106,6 @@ class FutureAttention(Press):
         return top_cells(newest_first(self.scores(ctx).double().sum(dim=(0, 1)).numpy()), keep)
 
 
-def pressed(
-    model: Llama, tokens: list[int], prefill: int, press: Press, cap: float, every: int
-) -> tuple[torch.Tensor, float]:
-    """Log-probs with ``press`` keeping CAP of the history every ``every`` decode steps, and
-    the mean share of the history held (CAP to CAP + every / history between presses)."""
-    cache = kq.make_cache(model, "fp32", len(tokens))
-    decode = press.during_decode(max_cells=1, every=1)
-    held: list[float] = []
-
-    def after(i: int) -> None:
-        if (i - prefill) % every == 0:
-            decode.max_cells = int(cap * (i + 1))
-            decode.step(cache, 0)
-        held.append(len(cache.cells_of(0)) / (i + 1))
-
-    with press.observe(cache):
-        lp = decode_logprobs(model, cache, tokens, prefill, after)
-    cache.close()
-    return lp, float(np.mean(held))
-
-
 class PerHead:
     """Head-wise eviction, simulated: ``cache.attention`` replaced by a plain-torch attention
     that also masks, per (layer, KV head), the cells that head no longer sees."""
@@ -230,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     press = make_press("snapkv:0.5") if mode == "snapkv" else None  # ratio unused
                     press = press or FutureAttention(queries, args.every)
-                    lp, held = pressed(model, tokens, kq.PREFILL, press, cap, args.every)
+                    lp, held = kq.pressed_logprobs(model, "fp32", tokens, press, cap, args.every)
                 q = kq.quality([lp], [tokens], [base])
                 rows.append({"mode": mode, "cap": cap, "held": held, "held_union": union, **q})
                 rows[-1]["dppl_pct"] = 100 * (q["ppl"] / ppl - 1)
