@@ -44,6 +44,30 @@ def test_retention_counts_the_kept_cells_only() -> None:
     assert lc.retention(row, base, ["a@1024", "b@1024"]) == pytest.approx(1.7 / 1.8)
 
 
+def _scored(scores: dict[str, list[int]]) -> dict[str, object]:
+    cells = {c: {"score": sum(v) / len(v), "scores": v} for c, v in scores.items()}
+    return {"press": "p", "codec": "c", "cells": cells}
+
+
+def test_retention_interval_is_paired_over_the_kept_cells() -> None:
+    base = _scored({"a@1024": [1] * 8 + [0] * 2, "b@1024": [1] * 10, "c@1024": [0] * 10})
+    kept = ["a@1024", "b@1024"]
+    # the same answers: every draw takes the same samples on both sides (unpaired draws of
+    # base and row would spread around 1)
+    assert lc.retention_interval(base, base, kept) == (1.0, 1.0)
+    lost = _scored({"a@1024": [1] * 7 + [0] * 3, "b@1024": [1] * 9 + [0], "c@1024": [1] * 10})
+    point = lc.retention(lost, base, kept)
+    assert point == pytest.approx(1.6 / 1.8)
+    lo, hi = lc.retention_interval(lost, base, kept)
+    assert lo < 0.8 < point < hi <= 1.0  # two answers of 18 lost: the interval is wide
+    assert hi == pytest.approx(1.0)  # draws that miss both lost samples
+    again = lc.retention_interval(lost, base, kept, seed=0)
+    assert again == (lo, hi)  # seeded: a rerun of the report gives the same interval
+    assert lc.retention_interval(_row("p", "c", {"a@1024": 1.0}), base, ["a@1024"]) is None
+    short = _scored({"a@1024": [1] * 9, "b@1024": [1] * 10})
+    assert lc.retention_interval(short, base, kept) is None  # not the same samples
+
+
 class _Ids:
     """A tokenizer for the tiny model: text is its token ids, space separated."""
 
@@ -180,6 +204,34 @@ def test_report_writes_retention_goals_json_and_png(tmp_path, capsys) -> None:
     assert status["4x total compression -> retention >= 97%"] == "missed"
     assert (tmp_path / "lc.png").stat().st_size > 0
     assert "[met] best press beats StreamingLLM" in capsys.readouterr().out
+    assert got["snapkv:0.5", "kivi4"]["retention_lo"] is None  # no per-sample scores
+
+
+def test_report_gives_each_row_its_interval(tmp_path, capsys) -> None:
+    import argparse
+    import json
+
+    def full(press: str, codec: str, scores: list[int], compression: float):  # type: ignore[no-untyped-def]
+        row = _scored({"passkey@1024": scores})
+        row.update(press=press, codec=codec, compression=compression)
+        for cell in row["cells"].values():  # type: ignore[attr-defined]
+            cell.update(prefill_s=1.0, press_s=0.0, outputs=[])
+        return row
+
+    rows = [full("none", "fp32", [1] * 10, 0.5), full("none", "kivi4", [1] * 9 + [0], 4.2)]
+    args = argparse.Namespace(
+        tasks=["passkey"], lengths=[1024], samples=10, seed=0,
+        json=tmp_path / "lc.json", png=tmp_path / "lc.png",
+    )  # fmt: skip
+    lc.report(args, rows, ["passkey@1024"], [])
+    out = json.loads((tmp_path / "lc.json").read_text())
+    kivi = out["rows"][1]
+    assert kivi["retention"] == pytest.approx(0.9)
+    assert kivi["retention_lo"] < 0.9 < kivi["retention_hi"] == pytest.approx(1.0)
+    assert out["rows"][0]["retention_lo"] == out["rows"][0]["retention_hi"] == 1.0
+    goal = {g["goal"]: g for g in out["goals"]}["4x total compression -> retention >= 97%"]
+    assert goal["status"] == "missed" and "95% interval" in goal["detail"]
+    assert "95% interval" in capsys.readouterr().out
 
 
 def test_config_ratio_reads_specs_with_options() -> None:
