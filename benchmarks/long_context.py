@@ -626,8 +626,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         xscale="log",
         xlabel="total compression (fp16 bytes of the context / bytes held)",
         ylabel="retention (% of the fp32 score on the kept cells)",
-        title="SmolLM2-135M, RULER-style tasks: presses x codecs (stars: issue-14 goals; "
-        f"bars: {LEVEL:.0%} intervals)",
+        title=f"SmolLM2-135M, RULER-style: presses x codecs (stars: goals, bars: {LEVEL:.0%})",
     )
     ax.set_xticks([0.5, 1, 2, 4, 8, 16], ["0.5x", "1x", "2x", "4x", "8x", "16x"])
     ax.minorticks_off()
