@@ -56,6 +56,7 @@ from common import LICENSES, RESULTS, machine, table  # noqa: E402
 from kv_quality import held_bytes, make_cache  # noqa: E402
 from kvcache import Batch, CausalCache  # noqa: E402
 from kvcache.models.llama import Llama  # noqa: E402
+from kvcache.press.kvzip import Reconstruction  # noqa: E402
 from kvcache.text.tokenizer import Tokenizer  # noqa: E402
 from ruler_tasks import TASKS, Corpus, PromptFormat, Sample, make_sample, string_match_all  # noqa: E402
 
@@ -124,19 +125,25 @@ def prefill(model: Llama, cache: CausalCache, seq: int, ids: list[int]) -> None:
 
 
 def apply_press(
-    spec: str, model: Llama, cache: CausalCache, seq: int, context_ids: list[int]
+    spec: str,
+    model: Llama,
+    cache: CausalCache,
+    seq: int,
+    context_ids: list[int],
+    rec: Reconstruction | None = None,
 ) -> Pressed:
-    """Prefill ``context_ids`` and press them: the one place the harness touches a press."""
+    """Prefill ``context_ids`` and press them: the one place the harness touches a press
+    (``rec``: what kvzip repeats the context with)."""
     if spec == "none":
         t0 = time.perf_counter()
         prefill(model, cache, seq, context_ids)
         return Pressed(time.perf_counter() - t0, 0.0, None)
-    press = _make_press(spec)
+    press = _make_press(spec, rec)
     t0 = time.perf_counter()
     with press.observe(cache):
         prefill(model, cache, seq, context_ids)
     t1 = time.perf_counter()
-    press.compress(cache, seq)
+    press.compress(cache, seq, tokens=context_ids)
     t2 = time.perf_counter()
     return Pressed(t1 - t0, t2 - t1, fp16_bytes(model, len(context_ids)) / cache.held_bytes(seq))
 
@@ -168,6 +175,7 @@ class Bench:
     tokenizer: Tokenizer
     samples: dict[tuple[str, int], list[Sample]]
     codec_bytes: dict[tuple[str, int], int]
+    rec: Reconstruction | None = None  # kvzip's repeat prompts (the chat template's)
 
     def encode(self, sample: Sample) -> tuple[list[int], list[int]]:
         tok = self.tokenizer
@@ -190,10 +198,12 @@ class Bench:
         from contextlib import ExitStack
 
         context, question = self.encode(sample)
-        cache = make_cache(self.model, codec, len(context) + len(question) + sample.max_new_tokens)
+        objs = {spec: _make_press(spec, self.rec) for spec in presses if spec != "none"}
+        room = len(question) + sample.max_new_tokens
+        room += max((repeat_room(p, len(context)) for p in objs.values()), default=0)
+        cache = make_cache(self.model, codec, len(context) + room)
         out: dict[str, dict[str, Any]] = {}
         try:
-            objs = {spec: _make_press(spec) for spec in presses if spec != "none"}
             t0 = time.perf_counter()
             with ExitStack() as stack:
                 for press in objs.values():
@@ -207,7 +217,7 @@ class Bench:
                     cache.restore(snap, 0)
                 if spec != "none":
                     t1 = time.perf_counter()
-                    objs[spec].compress(cache, 0)
+                    objs[spec].compress(cache, 0, tokens=context)
                     press_s = time.perf_counter() - t1
                     compression = fp16_bytes(self.model, len(context)) / cache.held_bytes(0)
                 ids = answer(
@@ -236,10 +246,16 @@ class Bench:
         return self.codec_bytes[codec, n]
 
 
-def _make_press(spec: str) -> Any:
+def _make_press(spec: str, rec: Reconstruction | None = None) -> Any:
     from kvcache.press import make_press
 
-    return make_press(spec)
+    press = make_press(spec)
+    return press if rec is None else press.bind(rec)
+
+
+def repeat_room(press: Any, n: int) -> int:
+    """Cells ``press`` needs beyond an ``n``-token context while it presses (kvzip's repeat)."""
+    return 0 if press is None else int(press.extra_cells(n))
 
 
 def calibrate(bench: Bench, cells: list[tuple[str, int]]) -> dict[str, Any]:
@@ -311,7 +327,7 @@ def press_costs(
             times: dict[str, float] = {}
             for _ in range(repeats):
                 for spec in ["none", *presses]:
-                    t = _timed_prefill(bench.model, codec, context, spec)
+                    t = _timed_prefill(bench.model, codec, context, spec, bench.rec)
                     times[spec] = min(times.get(spec, t), t)
             for spec, t in times.items():
                 best[spec] = best.get(spec, 0.0) + t
@@ -324,10 +340,13 @@ def press_costs(
     return rows
 
 
-def _timed_prefill(model: Llama, codec: str, context: list[int], spec: str) -> float:
-    cache = make_cache(model, codec, len(context))
+def _timed_prefill(
+    model: Llama, codec: str, context: list[int], spec: str, rec: Reconstruction | None
+) -> float:
+    press = None if spec == "none" else _make_press(spec, rec)
+    cache = make_cache(model, codec, len(context) + repeat_room(press, len(context)))
     try:
-        pressed = apply_press(spec, model, cache, 0, context)
+        pressed = apply_press(spec, model, cache, 0, context, rec)
         return pressed.prefill_s + pressed.press_s
     finally:
         cache.close()
@@ -515,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
         (t, n): [make_sample(t, n, i, args.seed, corpus, fmt) for i in range(args.samples)]
         for t, n in cells
     }
-    bench = Bench(model, tokenizer, samples, {})
+    encode = lambda text: tokenizer.encode(text, add_bos=False)  # noqa: E731
+    rec = Reconstruction.for_template(model, encode, fmt.prefix, fmt.suffix)
+    bench = Bench(model, tokenizer, samples, {}, rec)
     presses = [p for p in dict.fromkeys(args.presses) if p != "none"]
     rows: list[dict[str, Any]] = []
     costs: list[dict[str, Any]] = []

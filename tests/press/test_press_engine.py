@@ -4,11 +4,13 @@ on, the stats book what was freed, and bytes held against the history seen."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvcache import Batch
+from kvcache.errors import InvalidArgumentError
 from kvcache.generate import GenerationConfig, Generator
 from kvcache.models.llama import Llama
-from kvcache.press import make_press
+from kvcache.press import Press, Reconstruction, make_press
 
 
 def test_generator_presses_each_request_after_prefill(history_model: Llama) -> None:
@@ -34,15 +36,69 @@ def test_generator_presses_each_request_after_prefill(history_model: Llama) -> N
         assert done[spec][0] == by_hand(history_model, prompts[0], spec, 8)
 
 
-def by_hand(model: Llama, prompt: list[int], spec: str, n: int) -> list[int]:
+def by_hand(
+    model: Llama, prompt: list[int], spec: str | Press | None, n: int, capacity: int = 160
+) -> list[int]:
     """Greedy tokens: prefill under observe, compress, then decode at next_position."""
-    cache = model.new_cache(160)
-    press = make_press(spec)
-    with press.observe(cache):
+    cache = model.new_cache(capacity)
+    press = make_press(spec) if isinstance(spec, str) else spec
+    if press is None:
         logits = model.forward(prompt, Batch(list(range(len(prompt))), [0] * len(prompt)), cache)
-    press.compress(cache, 0)
+    else:
+        with press.observe(cache):
+            logits = model.forward(
+                prompt, Batch(list(range(len(prompt))), [0] * len(prompt)), cache
+            )
+        press.compress(cache, 0, tokens=prompt)
     out = [int(logits[-1].argmax())]
     while len(out) < n:
         p = cache.next_position(0)
         out.append(int(model.forward([out[-1]], Batch([p], [0]), cache)[0].argmax()))
     return out
+
+
+class ChatTokens:
+    """A tokenizer stand-in for the tiny model: characters as ids below its vocabulary, and a
+    chat template that wraps the user's content in [1] ... [2]."""
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        return [ord(c) % 90 + 5 for c in text]
+
+    stop_ids: frozenset[int] = frozenset()  # no stop token: every request runs its length
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i + 60) for i in ids)
+
+    def apply_chat(self, messages: list[dict[str, str]]) -> str:
+        return "\x01" + messages[0]["content"] + "\x02"
+
+
+def test_generator_kvzip_repeats_each_context_through_the_model(history_model: Llama) -> None:
+    """kvzip in the engine: bound to the engine's model and the tokenizer's template, each
+    request pressed as the library does by hand; with no room for the repeat, a request is
+    left unpressed (counted) and decodes as without a press."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 97, 100).tolist(), rng.integers(0, 97, 80).tolist()]
+    tok = ChatTokens()
+    rec = Reconstruction.for_template(history_model, lambda t: tok.encode(t), "\x01", "\x02")
+    assert rec.skip == 1 and rec.suffix == tok.encode("\x02")
+    config = GenerationConfig(max_new_tokens=6)
+    gen = Generator(history_model, tok, capacity=400, max_sequences=2, press="kvzip:0.5")  # type: ignore[arg-type]
+    ids = gen.add_many(prompts, config)
+    for _ in gen.run():
+        pass
+    assert gen.stats.pressed_cells == 50 + 40 and gen.stats.press_skipped == 0
+    got = gen.results[ids[0]].tokens
+    gen.close()
+    press = make_press("kvzip:0.5").bind(rec)
+    assert got == by_hand(history_model, prompts[0], press, 6, capacity=400)
+    # 240 cells: room for the prompts (180) but not for a repeat of one (172): none pressed
+    gen = Generator(history_model, tok, capacity=120, max_sequences=2, press="kvzip:0.5")  # type: ignore[arg-type]
+    ids = gen.add_many(prompts, config)
+    for _ in gen.run():
+        pass
+    assert gen.stats.pressed_cells == 0 and gen.stats.press_skipped == 2
+    assert gen.results[ids[0]].tokens == by_hand(history_model, prompts[0], None, 6)
+    gen.close()
+    with pytest.raises(InvalidArgumentError, match="tokenizer"):
+        Generator(history_model, capacity=400, press="kvzip:0.5")

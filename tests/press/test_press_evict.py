@@ -266,6 +266,9 @@ def test_held_bytes_counts_rows_windows_and_records() -> None:
         "adakv:0.5,inner=chunkkv",
         "chunkkv:0.5,inner=adakv",
         "chunkkv:0.5,chunk=0",
+        "kvzip:0.5,chunk=0",
+        "kvzip:0.5,sinks=-1",
+        "kvzip:0.5,inner=knorm",
         "expected:0.5,future=x",
     ],
 )
@@ -284,6 +287,10 @@ def test_specs_and_registry() -> None:
     assert type(ada.inner).__name__ == "KeyNorm" and ada.query_rows == 0
     chunked = make_press("chunkkv:0.5,inner=snapkv,chunk=8")
     assert (type(chunked.inner).__name__, chunked.query_rows, chunked.chunk) == ("SnapKV", 64, 8)
+    zip_ = make_press("chunkkv:0.5,inner=kvzip,chunk=16")
+    assert zip_.reconstructs and zip_.inner.chunk == 2048 and zip_.chunk == 16
+    assert make_press("kvzip:0.3,chunk=512,sinks=2").chunk == 512
+    assert not chunked.reconstructs and chunked.extra_cells(1000) == 0
 
 
 def test_decode_time_pressing_caps_the_cache(history_model: Llama) -> None:

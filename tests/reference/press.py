@@ -5,8 +5,8 @@
 RoPE (HuggingFace's rotate-half: x cos + rotate_half(x) sin), and keeps each layer's
 pre-RoPE queries, rotated queries and keys, and values. The score functions follow
 kvpress's presses (``SnapKVPress``, ``TOVAPress``, ``KnormPress``, ``StreamingLLMPress``,
-``ExpectedAttentionPress``, ``AdaKVPress``) on one sequence ([heads, tokens] instead of
-[batch, heads, tokens]); ``cell_decision`` is the documented rule that turns per-head scores
+``ExpectedAttentionPress``, ``AdaKVPress``, ``KVzipPress``) on one sequence ([heads, tokens]
+instead of [batch, heads, tokens]); ``cell_decision`` is the documented rule that turns per-head scores
 into one decision per cell (kvcache.press.base): min-max per (layer, head), mean, the
 newest token then the top others (ties: the earlier token).
 """
@@ -134,6 +134,51 @@ def expected(
     scores = torch.softmax(scores, dim=-1).view(hkv, hq // hkv, -1).mean(1)
     scores = scores * st.v[sinks:].norm(dim=-1).T
     return F.pad(scores, (sinks, 0), value=scores.max().item())
+
+
+def kvzip(
+    model: Llama,
+    context: list[int],
+    first: list[int],
+    later: list[int],
+    suffix: list[int],
+    skip: int,
+    chunk: int,
+    sinks: int = 4,
+) -> torch.Tensor:
+    """kvpress KVzipPress's scores [L, Hkv, T] of ``context``: per chunk of ``chunk`` tokens
+    after the ``skip`` prefix, a no-cache forward of the context followed by its repeat
+    prompt (``first``, or ``later`` + the 8 tokens before the chunk) + ``suffix`` + the chunk;
+    each chunk token scores the largest attention (over the group's heads and the repeat's
+    queries) with the softmax over the sinks, the chunk and the repeat (causal). The first
+    max(skip, sinks) tokens score 1."""
+    t = len(context)
+    out: torch.Tensor | None = None
+    for a in range(skip, t, chunk):
+        b = min(a + chunk, t)
+        head = first if a == skip else later + context[max(0, a - 8) : a]
+        rep = head + suffix + context[a:b]
+        r, s = len(rep), min(sinks, a)
+        states = no_cache_states(model, context + rep)
+        keys = list(range(s)) + list(range(a, b)) + list(range(t, t + r))
+        layers = []
+        for st in states:
+            hq, hkv = st.q.shape[1], st.k.shape[1]
+            q = st.q[t:].transpose(0, 1)  # [Hq, r, D]
+            k = _repeat_kv(st.k[keys], hq // hkv)  # [Hq, s + c + r, D]
+            logits = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [Hq, r, s + c + r]
+            own = torch.ones(r, r, dtype=torch.bool).tril()
+            visible = torch.cat([torch.ones(r, s + b - a, dtype=torch.bool), own], dim=1)
+            attn = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+            best = attn[:, :, s : s + b - a].amax(dim=1)  # [Hq, c]
+            layers.append(best.view(hkv, hq // hkv, -1).amax(dim=1))
+        got = torch.stack(layers)
+        if out is None:
+            out = torch.zeros(got.shape[0], got.shape[1], t, dtype=torch.float64)
+        out[:, :, a:b] = got
+    assert out is not None
+    out[:, :, : max(skip, sinks)] = 1.0
+    return out
 
 
 def adakv_selected(scores: torch.Tensor, kept: int, alpha: float = 0.2) -> torch.Tensor:

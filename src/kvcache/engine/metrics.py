@@ -50,6 +50,12 @@ ENGINE_METRICS: tuple[Exported, ...] = (
     Exported(
         "pressed_cells", "counter", "Cells freed by --press after prefills.", "pressed_cells_total"
     ),
+    Exported(
+        "press_skipped",
+        "counter",
+        "Prefills left unpressed: no free cells for kvzip's repeat of the context.",
+        "press_skipped_total",
+    ),
     Exported("prefix_blocks", "gauge", "Token blocks held by the prefix cache.", "prefix_blocks"),
     Exported("requests_running", "gauge", "Requests in the running batch.", "running"),
     Exported("requests_queued", "gauge", "Requests waiting for a slot.", "queued"),

@@ -5,17 +5,29 @@ engine's lifetime, keeps each prefilling sequence's newest query rows, and compr
 sequence when its context has been computed (before its first sampled token's successor is
 fed); from then on its queries are no longer recorded. Prefix reuse is off with a press: a
 pressed prompt's cells no longer describe the prompt's blocks.
+
+A press that repeats the context through the model (``kvzip``) is bound to the engine's
+model, with the repeat request closed by the tokenizer's chat template (kvpress's choice, a
+plain newline for a model without one); it needs room for one chunk's repeat in the pool
+(``Press.extra_cells``). A prefill that finds no such room is left unpressed and counted
+(``press_skipped``): its request goes on exactly as without a press.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
 from kvcache.causal import CausalCache
 from kvcache.engine.request import Request
 from kvcache.engine.stats import EngineStats
-from kvcache.press import Press, make_press
+from kvcache.errors import InvalidArgumentError, NotSupportedError
+from kvcache.press import Press, Reconstruction, make_press
 from kvcache.press.queries import QueryWindow
+from kvcache.text.tokenizer import Tokenizer
+
+SENTINEL = "\x00context\x00"  # stands for the user's content in the chat template
 
 FP16 = 2
 
@@ -30,8 +42,20 @@ class Pressing:
         self._done: set[int] = set()  # ids of the requests pressed
 
     @classmethod
-    def start(cls, spec: str | None, cache: CausalCache, stats: EngineStats) -> Pressing | None:
-        return None if spec is None else cls(make_press(spec), cache, stats)
+    def start(
+        cls,
+        spec: str | None,
+        cache: CausalCache,
+        stats: EngineStats,
+        model: Any = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> Pressing | None:
+        if spec is None:
+            return None
+        press = make_press(spec)
+        if press.reconstructs:
+            press.bind(reconstruction(model, tokenizer, spec))
+        return cls(press, cache, stats)
 
     def prefilled(self, r: Request) -> None:
         """``r`` computed its whole context: press its sequence (once). A compacting press
@@ -43,7 +67,13 @@ class Pressing:
         self._done.add(r.id)
         cells = self.cache.cells_of(seq)  # by position
         positions = np.asarray(self.cache.positions(seq))
-        self.stats.pressed_cells += self.press.compress(self.cache, seq)
+        if self.cache.free_cells() < self.press.extra_cells(len(cells)):
+            self.stats.press_skipped += 1  # no room for the repeat: goes on unpressed
+            self.window.forget(seq)
+            self.window.ignored.add(seq)
+            return
+        tokens = r.context[: r.fed] if self.press.reconstructs else None
+        self.stats.pressed_cells += self.press.compress(self.cache, seq, tokens=tokens)
         if self.press.compact:
             kept = positions[np.isin(cells, self.cache.cells_of(seq))]
             assert len(r.context) == r.fed == int(positions[-1]) + 1, (len(r.context), r.fed)
@@ -68,4 +98,23 @@ def fp16_row_bytes(cache: CausalCache) -> int:
     return sum(
         (k[0] * k[1] + v[0] * v[1]) * FP16
         for k, v in (cache.layer_shapes(layer) for layer in cache.layers())
+    )
+
+
+def reconstruction(model: Any, tokenizer: Tokenizer | None, spec: str) -> Reconstruction:
+    """kvzip's repeat prompts from the tokenizer's chat template (module docstring)."""
+    if model is None or tokenizer is None:
+        raise InvalidArgumentError(
+            "press",
+            spec,
+            "a press that reads the cache only: kvzip needs the engine's model "
+            "and tokenizer (Engine(model, tokenizer, ...))",
+        )
+    try:
+        whole = tokenizer.apply_chat([{"role": "user", "content": SENTINEL}])
+        prefix, _, suffix = whole.partition(SENTINEL)
+    except NotSupportedError:  # no chat template
+        prefix, suffix = "", "\n"
+    return Reconstruction.for_template(
+        model, lambda text: tokenizer.encode(text, add_bos=False), prefix, suffix
     )

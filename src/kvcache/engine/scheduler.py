@@ -110,7 +110,7 @@ class Engine:
         self.context = context_policy(c.context, c.capacity, c.kept_tokens, c.window)
         self.preemption = PREEMPTIONS[c.preemption](c.spill)
         self.reuse: PrefixReuse | NoReuse = NoReuse(self.cache)
-        self.press = Pressing.start(c.press, self.cache, self.stats)
+        self.press = Pressing.start(c.press, self.cache, self.stats, model, tokenizer)
         if c.prefix_cache and self.press is None:  # a pressed prompt is no prefix to share
             self.reuse = PrefixReuse(
                 self.cache,
@@ -463,6 +463,7 @@ class Engine:
             "requests_finished_total": s.finished,
             "held_bytes": self.cache.held_bytes(),
             "pressed_cells_total": s.pressed_cells,
+            "press_skipped_total": s.press_skipped,
         }
         for reason in MISS_REASONS:
             snap[f"prefix_miss_total:{reason}"] = s.misses[reason]

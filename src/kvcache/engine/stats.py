@@ -47,6 +47,7 @@ class EngineStats:
     store_errors: int = 0  # block-store calls that failed (treated as a miss)
     finished: int = 0
     pressed_cells: int = 0  # cells a press freed after prefills
+    press_skipped: int = 0  # prefills left unpressed: no room for kvzip's repeat
     history_fp16_bytes: int = 0  # finished requests: fp16 bytes of the tokens they saw
     held_bytes: int = 0  # ... and the bytes their cells held at the end
 

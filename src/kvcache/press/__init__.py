@@ -5,11 +5,13 @@ The API (what ``benchmarks/long_context.py`` and the engine call)::
     from kvcache.press import make_press, Press, PRESSES, total_compression
     press = make_press("snapkv:0.5")       # NAME:RATIO[,OPTION=VALUE...], RATIO = fraction
                                            # removed, 0 <= RATIO < 1 (InvalidArgumentError)
-    sorted(PRESSES)                        # adakv, chunkkv, expected, knorm, snapkv,
+    sorted(PRESSES)                        # adakv, chunkkv, expected, knorm, kvzip, snapkv,
                                            # streaming, tova
     with press.observe(cache):             # the prefill: attention shows the press its queries
         logits = model.forward(tokens, batch, cache)
     freed = press.compress(cache, seq)     # evict seq's cells down to (1 - ratio); cells freed
+    press.bind(Reconstruction(model, ...)) # kvzip only (it repeats the context through the
+    press.compress(cache, seq, tokens=ids) # model): the model, then the context's tokens
     cache.held_bytes(seq)                  # bytes held by seq's cells (None: all sequences)
     total_compression(cache, seq)          # fp16 bytes of the history / held_bytes(seq)
     dp = press.during_decode(max_cells=N, every=K)
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from kvcache.causal import CausalCache
 from kvcache.press.base import DecodePress, Press, kept_count
+from kvcache.press.kvzip import Reconstruction
 from kvcache.press.registry import PRESSES, make_press
 from kvcache.validate import int_arg
 
@@ -43,4 +46,12 @@ def total_compression(cache: CausalCache, seq: int, tokens: int | None = None) -
     return n * row / held if held else float("inf")
 
 
-__all__ = ["PRESSES", "DecodePress", "Press", "kept_count", "make_press", "total_compression"]
+__all__ = [
+    "PRESSES",
+    "DecodePress",
+    "Press",
+    "Reconstruction",
+    "kept_count",
+    "make_press",
+    "total_compression",
+]

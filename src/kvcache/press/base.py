@@ -43,8 +43,9 @@ kvpress's semantics). Compaction helps knorm (it leaves gaps near the newest tok
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -72,6 +73,7 @@ class Scoring:
     pos: np.ndarray  # [n] their positions, ascending
     window: QueryWindow | None
     keep: int  # cells to keep
+    tokens: np.ndarray | None = None  # [n] the context's token ids by position, when given
     memo: dict[object, torch.Tensor] = field(default_factory=dict)  # per-press reusables
     _reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -122,34 +124,64 @@ class Press(ABC):
         self._window = QueryWindow(cache, self.query_rows)
         return self._window
 
-    def compress(self, cache: CausalCache, seq: int) -> int:
+    def compress(self, cache: CausalCache, seq: int, *, tokens: Sequence[int] | None = None) -> int:
         """Evict ``seq``'s cells down to (1 - ratio) of them (after its prefill); returns
-        the cells freed (cells shared with another sequence stay alive for it)."""
+        the cells freed (cells shared with another sequence stay alive for it). ``tokens``:
+        the context's token ids by position, for a press that feeds them again (kvzip)."""
         seq = int_arg("seq", seq)
-        return self.compress_to(cache, seq, kept_count(len(cache.cells_of(seq)), self.ratio))
+        keep = kept_count(len(cache.cells_of(seq)), self.ratio)
+        return self.compress_to(cache, seq, keep, tokens=tokens)
 
-    def compress_to(self, cache: CausalCache, seq: int, keep: int) -> int:
+    def compress_to(
+        self, cache: CausalCache, seq: int, keep: int, *, tokens: Sequence[int] | None = None
+    ) -> int:
         """Evict ``seq``'s cells down to ``keep`` of them; returns the cells freed."""
         seq, keep = int_arg("seq", seq), int_arg("keep", keep)
         if keep >= len(cache.cells_of(seq)):
             return 0
-        ctx = self.scoring(cache, seq, keep)
+        ctx = self.scoring(cache, seq, keep, tokens=tokens)
         kept = self.select(ctx, keep)
         assert len(kept) == keep, f"{self.name} kept {len(kept)} cells, not {keep}"
         drop = np.ones(len(ctx.cells), dtype=bool)
         drop[kept] = False
         return cache.evict(seq, ctx.pos[drop], compact=self.compact)
 
-    def scoring(self, cache: CausalCache, seq: int, keep: int) -> Scoring:
+    def scoring(
+        self, cache: CausalCache, seq: int, keep: int, *, tokens: Sequence[int] | None = None
+    ) -> Scoring:
         """What ``select`` scores ``seq`` with, keeping ``keep`` cells (raises CallOrderError
         when the press needs queries and none of ``seq``'s was observed)."""
         cells = cache.cells_of(seq)
         pos = np.asarray(cache.positions(seq), dtype=np.int64)  # [n], the order of cells
-        return Scoring(cache, seq, cells, pos, self._queries(cache, seq), keep)
+        ids = None if tokens is None else np.asarray(tokens, dtype=np.int64).reshape(-1)
+        return Scoring(cache, seq, cells, pos, self._queries(cache, seq), keep, ids)
+
+    @property
+    def reconstructs(self) -> bool:
+        """Whether it feeds the context through the model again (kvzip): such a press is
+        bound to a model (``bind``), takes the context's tokens and presses only once."""
+        return False
+
+    def extra_cells(self, n: int) -> int:
+        """Free cells the pool needs beyond the sequence's ``n`` while it is pressed (kvzip
+        feeds a repeat of the context into it); 0 for a press that only reads."""
+        return 0
+
+    def bind(self, reconstruction: Any) -> Press:
+        """Give a reconstructing press its model and prompts (kvzip.Reconstruction); any
+        other press has nothing to bind and is returned as it is."""
+        return self
 
     def during_decode(self, max_cells: int, every: int = 1) -> DecodePress:
         """Decode-time pressing: ``step(cache, seq)`` after each decode step compresses
         ``seq`` back to ``max_cells`` every ``every`` steps."""
+        if self.reconstructs:
+            raise InvalidArgumentError(
+                "press",
+                self.name,
+                "a press that scores without repeating the context (kvzip "
+                "presses once, after a prefill)",
+            )
         return DecodePress(self, int_arg("max_cells", max_cells), int_arg("every", every, 1))
 
     def _queries(self, cache: CausalCache, seq: int) -> QueryWindow | None:
@@ -178,6 +210,17 @@ class Wrapper(Press):
 
     def scores(self, ctx: Scoring) -> torch.Tensor:
         return self.inner.scores(ctx)
+
+    @property
+    def reconstructs(self) -> bool:
+        return self.inner.reconstructs
+
+    def extra_cells(self, n: int) -> int:
+        return self.inner.extra_cells(n)
+
+    def bind(self, reconstruction: Any) -> Press:
+        self.inner.bind(reconstruction)
+        return self
 
 
 class DecodePress:

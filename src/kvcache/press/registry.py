@@ -14,6 +14,8 @@ wrapper):
                                                        cov (1), vnorm (1)
     adakv      head-adaptive over an inner press       inner (snapkv), alpha (0.2)
     chunkkv    whole chunks ranked by an inner press   inner (knorm), chunk (32)
+    kvzip      attention while repeating the context   chunk (2048 tokens a repeat), sinks (4);
+               (KVzip; needs ``bind``, see kvzip.py)
     every one                                          compact (0: mask only, 1: renumber)
 """
 
@@ -28,6 +30,7 @@ from kvcache.press.base import Press, Wrapper
 from kvcache.press.chunkkv import ChunkKV
 from kvcache.press.expected import ExpectedAttention
 from kvcache.press.knorm import KeyNorm
+from kvcache.press.kvzip import KVzip
 from kvcache.press.snapkv import SnapKV
 from kvcache.press.streaming import StreamingLLM
 from kvcache.press.tova import TOVA
@@ -40,6 +43,7 @@ PRESSES: dict[str, Callable[..., Press]] = {
     "expected": ExpectedAttention,
     "adakv": AdaKV,
     "chunkkv": ChunkKV,
+    "kvzip": KVzip,
 }
 # presses over an inner press (never an inner one themselves)
 WRAPPERS = {n for n, f in PRESSES.items() if isinstance(f, type) and issubclass(f, Wrapper)}
