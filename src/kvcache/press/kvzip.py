@@ -187,13 +187,13 @@ def repeat_attention(
     g = hq // hkv
     qg = q.view(r, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, r * g, d)  # rows (row, group)
     kt = k.permute(1, 2, 0)  # [Hkv, D, s + c + r]
-    best = torch.zeros((hkv, c), dtype=k.dtype)
+    best = torch.zeros((hkv, c), dtype=k.dtype, device=k.device)
     before = sink + c
     for i in range(0, r, ROWS):
         j = min(r, i + ROWS)
         logits = (qg[:, i * g : j * g] @ kt) / math.sqrt(d)  # [Hkv, (j - i) * G, s + c + r]
-        row = torch.arange(i, j).repeat_interleave(g)  # the repeat row of each query row
-        late = torch.arange(r)[None, :] > row[:, None]  # repeat keys after the row
+        row = torch.arange(i, j, device=k.device).repeat_interleave(g)  # each row's repeat row
+        late = torch.arange(r, device=k.device)[None, :] > row[:, None]  # keys after the row
         logits[:, :, before:].masked_fill_(late, float("-inf"))
         attn = torch.softmax(logits, dim=-1)[:, :, sink:before]
         best = torch.maximum(best, attn.amax(dim=1))
