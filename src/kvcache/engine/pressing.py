@@ -9,8 +9,9 @@ pressed prompt's cells no longer describe the prompt's blocks.
 A press that repeats the context through the model (``kvzip``) is bound to the engine's
 model, with the repeat request closed by the tokenizer's chat template (kvpress's choice, a
 plain newline for a model without one); it needs room for one chunk's repeat in the pool
-(``Press.extra_cells``). A prefill that finds no such room is left unpressed and counted
-(``press_skipped``): its request goes on exactly as without a press.
+(``Press.extra_cells``) and a context at positions 0..n-1. A prefill that finds no such
+room (or a context already shifted) is left unpressed and counted (``press_skipped``): its
+request goes on exactly as without a press.
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ class Pressing:
         self._done.add(r.id)
         cells = self.cache.cells_of(seq)  # by position
         positions = np.asarray(self.cache.positions(seq))
-        if self.cache.free_cells() < self.press.extra_cells(len(cells)):
-            self.stats.press_skipped += 1  # no room for the repeat: goes on unpressed
+        fresh = len(cells) == r.fed and np.array_equal(positions, np.arange(len(cells)))
+        short = self.cache.free_cells() < self.press.extra_cells(len(cells))
+        if self.press.reconstructs and (short or not fresh):
+            self.stats.press_skipped += 1  # no room for the repeat, or a shifted context
             self.window.forget(seq)
             self.window.ignored.add(seq)
             return
