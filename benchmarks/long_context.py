@@ -33,7 +33,11 @@ already lost).
 
 A press spec is ``NAME:RATIO`` (kvcache.press; RATIO = fraction of the context's cells
 evicted) or ``none``; a codec spec is as in kv_quality.py (``int8``, ``int8/int4``,
-``kivi4@post``).
+``kivi4@post``). ``kvzip`` (alone or as ``chunkkv:0.5,inner=kvzip``) repeats each context
+through the model behind the chat template's turn, in cells the cache is sized for; it is
+not in the default list (a second pass over every context):
+
+    python benchmarks/long_context.py --presses none "chunkkv:0.5,inner=kvzip" --codecs turbo4
 """
 
 from __future__ import annotations

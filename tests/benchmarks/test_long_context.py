@@ -29,6 +29,27 @@ def test_answer_stops_at_eos(history_model) -> None:
     assert lc.answer(history_model, cache, 0, question, 6, eos=first) == []
 
 
+def test_kvzip_is_bound_and_sized_by_the_harness(history_model) -> None:
+    """apply_press binds kvzip to the harness's repeat prompts and gives it the context;
+    repeat_room sizes a cache that holds the repeat (one cell less fails, cache as it was)."""
+    from kvcache.errors import CacheFullError
+    from kvcache.press.kvzip import Reconstruction
+
+    context = random_prompt(60, seed=7)
+    rec = Reconstruction(history_model, [1, 2, 3], [4, 5], [6], skip=2)
+    press = lc._make_press("kvzip:0.5", rec)
+    room = lc.repeat_room(press, 60)
+    assert room == 58 + 3 + 1 and lc.repeat_room(None, 60) == 0  # 58 repeated + the prompt
+    cache = history_model.new_cache(60 + room)
+    pressed = lc.apply_press("kvzip:0.5", history_model, cache, 0, context, rec)
+    assert len(cache.positions(0)) == 30 and cache.free_cells() == cache.num_cells - 30
+    assert pressed.compression is not None and pressed.press_s > 0
+    small = history_model.new_cache(60 + room - 1)
+    with pytest.raises(CacheFullError):
+        lc.apply_press("kvzip:0.5", history_model, small, 0, context, rec)
+    assert len(small.positions(0)) == 60
+
+
 def _row(press: str, codec: str, scores: dict[str, float], **kw: float) -> dict[str, object]:
     return {
         "press": press,

@@ -43,20 +43,23 @@ def bound(model: Llama, spec: str, skip: int = SKIP) -> object:
 
 
 @pytest.mark.parametrize(
-    ("spec", "skip"),
-    [  # skip 0: the first repeat has no sinks to attend to (kvpress's min(n_sink, start))
-        (f"kvzip:{RATIO},chunk={CHUNK}", 0),
-        (f"kvzip:{RATIO},chunk={CHUNK}", SKIP),
-        (f"chunkkv:{RATIO},inner=kvzip", SKIP),
+    ("spec", "skip", "room"),
+    [  # skip 0: the first repeat has no sinks to attend to (kvpress's min(n_sink, start));
+        # room: the longest repeat (a later prompt: 2 + 8 quoted + 2 + 50 chunk tokens, or
+        # with one chunk: 3 + 2 + the 114 tokens after the prefix)
+        (f"kvzip:{RATIO},chunk={CHUNK}", 0, 62),
+        (f"kvzip:{RATIO},chunk={CHUNK}", SKIP, 62),
+        (f"chunkkv:{RATIO},inner=kvzip", SKIP, 119),
     ],
 )
 def test_scores_and_kept_cells_equal_kvpress(
-    spec: str, skip: int, history_model: Llama, tokens: list[int]
+    spec: str, skip: int, room: int, history_model: Llama, tokens: list[int]
 ) -> None:
     chunk = CHUNK if spec.startswith("kvzip") else 2048  # chunkkv's inner kvzip: one repeat
     want = ref.kvzip(history_model, tokens, FIRST, LATER, SUFFIX, skip, chunk)
     cache = prefill(history_model, tokens)
     press = bound(history_model, spec, skip)
+    assert press.extra_cells(T) == room
     kept = int(T * (1 - RATIO))
     got = press.scores(press.scoring(cache, 0, kept, tokens=tokens))
     torch.testing.assert_close(got.double(), want, rtol=1e-9, atol=1e-12)

@@ -107,12 +107,32 @@ class KVzip(Press):
         return self
 
     def extra_cells(self, n: int) -> int:
-        """One chunk's repeat and its prompt (the longer of the first and a later one)."""
+        """The longest repeat of an ``n``-token context: its chunk and prompt."""
         rec = self.reconstruction
         if rec is None:
             return 0
-        prompt = max(len(rec.first), len(rec.later) + OVERLAP) + len(rec.suffix)
-        return min(max(n - rec.skip, 0), self.chunk) + prompt
+        return (
+            max(
+                (len(self._head(a, None)) + len(rec.suffix) + min(self.chunk, n - a))
+                for a in range(rec.skip, n, self.chunk)
+            )
+            if n > rec.skip
+            else 0
+        )
+
+    def _head(self, a: int, tokens: np.ndarray | None) -> list[int]:
+        """The prompt before the chunk at ``a``: the first, or a later one quoting the 8
+        tokens before it (placeholders when ``tokens`` is None: only its length counts)."""
+        rec = self.reconstruction
+        assert rec is not None
+        if a == rec.skip:
+            return rec.first
+        quoted = (
+            tokens[max(0, a - OVERLAP) : a].tolist()
+            if tokens is not None
+            else [0] * min(a, OVERLAP)
+        )
+        return [*rec.later, *quoted]
 
     def scores(self, ctx: Scoring) -> torch.Tensor:
         rec = self.reconstruction
@@ -135,12 +155,8 @@ class KVzip(Press):
         kept = min(max(rec.skip, self.sinks), n)
         for a in range(min(rec.skip, n), n, self.chunk):
             b = min(a + self.chunk, n)
-            head = (
-                rec.first
-                if a == rec.skip
-                else [*rec.later, *tokens[max(0, a - OVERLAP) : a].tolist()]
-            )
-            got = self._chunk(ctx, [*head, *rec.suffix, *tokens[a:b].tolist()], a, b, layers)
+            rep = [*self._head(a, tokens), *rec.suffix, *tokens[a:b].tolist()]
+            got = self._chunk(ctx, rep, a, b, layers)
             if out is None:
                 out = torch.zeros((len(layers), got.shape[1], n), dtype=got.dtype)
             out[:, :, a:b] = got
