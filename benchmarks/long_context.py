@@ -538,8 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         (t, n): [make_sample(t, n, i, args.seed, corpus, fmt) for i in range(args.samples)]
         for t, n in cells
     }
-    encode = lambda text: tokenizer.encode(text, add_bos=False)  # noqa: E731
-    rec = Reconstruction.for_template(model, encode, fmt.prefix, fmt.suffix)
+    rec = Reconstruction.for_chat(model, tokenizer)  # the template fmt wraps each turn in
     bench = Bench(model, tokenizer, samples, {}, rec)
     presses = [p for p in dict.fromkeys(args.presses) if p != "none"]
     rows: list[dict[str, Any]] = []

@@ -23,12 +23,10 @@ import numpy as np
 from kvcache.causal import CausalCache
 from kvcache.engine.request import Request
 from kvcache.engine.stats import EngineStats
-from kvcache.errors import InvalidArgumentError, NotSupportedError
+from kvcache.errors import InvalidArgumentError
 from kvcache.press import Press, Reconstruction, make_press
 from kvcache.press.queries import QueryWindow
 from kvcache.text.tokenizer import Tokenizer
-
-SENTINEL = "\x00context\x00"  # stands for the user's content in the chat template
 
 FP16 = 2
 
@@ -68,14 +66,15 @@ class Pressing:
         self._done.add(r.id)
         cells = self.cache.cells_of(seq)  # by position
         positions = np.asarray(self.cache.positions(seq))
-        fresh = len(cells) == r.fed and np.array_equal(positions, np.arange(len(cells)))
-        short = self.cache.free_cells() < self.press.extra_cells(len(cells))
-        if self.press.reconstructs and (short or not fresh):
-            self.stats.press_skipped += 1  # no room for the repeat, or a shifted context
-            self.window.forget(seq)
-            self.window.ignored.add(seq)
-            return
-        tokens = r.context[: r.fed] if self.press.reconstructs else None
+        tokens = None
+        if self.press.reconstructs:  # kvzip: the context's tokens, room for their repeat
+            fresh = len(cells) == r.fed and np.array_equal(positions, np.arange(len(cells)))
+            if not fresh or self.cache.free_cells() < self.press.extra_cells(len(cells)):
+                self.stats.press_skipped += 1  # no room for the repeat, or a shifted context
+                self.window.forget(seq)
+                self.window.ignored.add(seq)
+                return
+            tokens = r.context[: r.fed]
         self.stats.pressed_cells += self.press.compress(self.cache, seq, tokens=tokens)
         if self.press.compact:
             kept = positions[np.isin(cells, self.cache.cells_of(seq))]
@@ -113,11 +112,4 @@ def reconstruction(model: Any, tokenizer: Tokenizer | None, spec: str) -> Recons
             "a press that reads the cache only: kvzip needs the engine's model "
             "and tokenizer (Engine(model, tokenizer, ...))",
         )
-    try:
-        whole = tokenizer.apply_chat([{"role": "user", "content": SENTINEL}])
-        prefix, _, suffix = whole.partition(SENTINEL)
-    except NotSupportedError:  # no chat template
-        prefix, suffix = "", "\n"
-    return Reconstruction.for_template(
-        model, lambda text: tokenizer.encode(text, add_bos=False), prefix, suffix
-    )
+    return Reconstruction.for_chat(model, tokenizer)

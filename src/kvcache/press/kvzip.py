@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from kvcache.batch import Batch
-from kvcache.errors import CallOrderError, InvalidArgumentError
+from kvcache.errors import CallOrderError, InvalidArgumentError, NotSupportedError
 from kvcache.press.base import Press, Scoring
 from kvcache.press.queries import QueryWindow
 
@@ -52,6 +52,7 @@ SINKS = 4  # kvpress's n_sink
 OVERLAP = 8  # tokens of the previous chunk quoted by the later prompt (prev_postfix_size)
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+SENTINEL = "\x00context\x00"  # stands for the user's content in a chat template
 ROWS = 1024  # query rows scored at a time (memory: ROWS x G x keys floats per KV head)
 
 
@@ -79,6 +80,19 @@ class Reconstruction:
         before the user's content) and a turn that ends with ``suffix`` (the text after it,
         up to the assistant's turn): ``encode`` turns text into ids without a BOS."""
         return cls(model, encode(FIRST), encode(LATER), encode(suffix), len(encode(prefix)))
+
+    @classmethod
+    def for_chat(cls, model: Forwarder, tokenizer: Any) -> Reconstruction:
+        """``for_template`` with the parts of ``tokenizer``'s chat template around one user
+        turn (``apply_chat``; a newline closes the request when it has none, as kvpress)."""
+        try:
+            whole = tokenizer.apply_chat([{"role": "user", "content": SENTINEL}])
+            prefix, _, suffix = whole.partition(SENTINEL)
+        except NotSupportedError:  # no chat template
+            prefix, suffix = "", "\n"
+        return cls.for_template(
+            model, lambda text: tokenizer.encode(text, add_bos=False), prefix, suffix
+        )
 
 
 class KVzip(Press):
