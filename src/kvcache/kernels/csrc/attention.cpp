@@ -61,8 +61,7 @@ struct Scratch {
   std::vector<float> ranges;   // [BLK, 2, D]: their records' channel ranges as floats
   std::vector<uint8_t> kdom, vdom;
   std::vector<int> ja, jb;
-  std::vector<const char*> next;  // [2 * BLK] the next tile's K rows, then its V rows
-  LineStream stream;              // ... fetched while this tile's math runs
+  LineStream stream;  // the next tile's rows and fields, fetched while this tile's math runs
   float sink = 0.f;  // keeps touch()'s loads
 };
 
@@ -254,10 +253,12 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
     if (fetched) {
       const int32_t* nc = cells + n;
       const int m = tile_len(b0 + n);
-      int64_t kbytes = 0, vbytes = 0;
-      const int nk = row_starts(kr, nc, m, w.next.data(), &kbytes);
-      const int nv = row_starts(vr, nc, m, w.next.data() + nk, &vbytes);
-      w.stream.reset(w.next.data(), nk, kbytes, nk + nv, vbytes);
+      w.stream.reset();
+      stream_fields(kr, nc, m, w.stream);
+      stream_fields(vr, nc, m, w.stream);
+      stream_rows(kr, nc, m, w.stream);
+      stream_rows(vr, nc, m, w.stream);
+      w.stream.start();
       ls = &w.stream;
     }
     // Rows read as stored, without a decoded tile: fp16 rows (fp16 storage or the recent
@@ -514,7 +515,6 @@ void run(const Pass& p, const Partials& part) {
     w.ranges.resize(BLK * 2 * p.D);
     w.kdom.resize(BLK);
     w.vdom.resize(BLK);
-    w.next.resize(2 * BLK);
     for (int64_t item = next++; item < p.plan.S; item = next++)
       attend_item(p.plan, item, p.q, p.Hq, p.H, p.kr, p.vr, p.rope, p.scale, part, w);
   });

@@ -762,6 +762,32 @@ inline const char* stored_row(const Reader& r, int64_t c, int64_t* bytes) {
 }
 }  // namespace
 
+namespace {
+// out[j] = the fp16 field `inner` of cells[j]'s record as a float, for j in [a, b): records of
+// `stride` fp16 fields, one a cell (`rows` cells). With AVX-512, 16 cells a step: a gather of
+// the 32 bits holding the field and its neighbour in the same record (the field before it for
+// a record's last field), so that no read leaves the array; a scalar tail.
+void half_fields(const uint16_t* fields, int64_t rows, int64_t stride, int64_t inner,
+                 const int32_t* cells, int a, int b, float* out) {
+  const uint16_t* base = fields + inner;
+  int j = a;
+#if KVK_AVX512
+  if (stride >= 2 && rows * stride < (int64_t{1} << 31)) {
+    const bool last = inner + 1 == stride;
+    const int* words = reinterpret_cast<const int*>(last ? base - 1 : base);
+    const __m512i vs = _mm512_set1_epi32((int)stride);
+    for (; j + 16 <= b; j += 16) {
+      const __m512i at = _mm512_mullo_epi32(_mm512_loadu_si512(cells + j), vs);
+      __m512i d = _mm512_i32gather_epi32(at, words, 2);
+      if (last) d = _mm512_srli_epi32(d, 16);
+      _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d)));
+    }
+  }
+#endif
+  for (; j < b; ++j) out[j] = half_to_float(base[cells[j] * stride]);
+}
+}  // namespace
+
 bool all_codes(const Reader& r, const int32_t* cells, int n) {
   for (int j = 0; j < n; ++j) {
     const int64_t c = cells[j];
@@ -805,9 +831,7 @@ void int8_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                const int8_t** rows, float* scales) {
   TORCH_CHECK(r.kind == INT8 && r.scale_head == 1, "kvcache kernel: int8_rows of another codec");
   code_rows(r, h, cells, a, b, rows);
-  const uint16_t* scale = r.scale + h;
-  const int64_t H = r.H;
-  for (int j = a; j < b; ++j) scales[j] = half_to_float(scale[cells[j] * H]);
+  half_fields(r.scale, r.rows, r.H, h, cells, a, b, scales);
 }
 
 void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
@@ -815,13 +839,9 @@ void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b
   TORCH_CHECK(r.kind == AFFINE_ROWS && r.bits == 4, "kvcache kernel: affine4_rows of another codec");
   const int64_t groups = r.scale_head, H = r.H;
   code_rows(r, h, cells, a, b, rows);
-  const uint16_t *s0 = r.scale + h * groups, *l0 = r.low + h * groups;
-  for (int j = a; j < b; ++j) {
-    const int64_t at = cells[j] * H * groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      scale[g * BLK + j] = half_to_float(s0[at + g]);
-      low[g * BLK + j] = half_to_float(l0[at + g]);
-    }
+  for (int64_t g = 0; g < groups; ++g) {
+    half_fields(r.scale, r.rows, H * groups, h * groups + g, cells, a, b, scale + g * BLK);
+    half_fields(r.low, r.rows, H * groups, h * groups + g, cells, a, b, low + g * BLK);
   }
 }
 
@@ -880,18 +900,29 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 #endif
 }
 
-int row_starts(const Reader& r, const int32_t* cells, int n, const char** rows,
-               int64_t* row_bytes) {
-  int m = 0;
-  *row_bytes = 0;
+void stream_rows(const Reader& r, const int32_t* cells, int n, LineStream& ls) {
   for (int j = 0; j < n; ++j) {
     int64_t bytes = 0;
     const char* row = stored_row(r, cells[j], &bytes);
-    if (row == nullptr) continue;
-    rows[m++] = row;
-    *row_bytes = std::max(*row_bytes, bytes);
+    if (row != nullptr) ls.add(row, bytes);
   }
-  return m;
+}
+
+void stream_fields(const Reader& r, const int32_t* cells, int n, LineStream& ls) {
+  if (n == 0) return;
+  int64_t lo = cells[0], hi = cells[0];
+  for (int j = 1; j < n; ++j) lo = std::min<int64_t>(lo, cells[j]), hi = std::max<int64_t>(hi, cells[j]);
+  if (hi - lo + 1 > 4 * (int64_t)n) return;  // scattered cells: not worth a span
+  auto add = [&](const void* base, int64_t count, int64_t per_cell) {
+    if (base == nullptr || per_cell <= 0 || lo >= count) return;
+    ls.add(reinterpret_cast<const char*>(base) + lo * per_cell,
+           (std::min(hi, count - 1) - lo + 1) * per_cell);
+  };
+  add(r.window, r.window_len, 4);
+  add(r.meta_of, hi + 1, 4);
+  const int64_t fields = r.H * r.scale_head;
+  add(r.scale, r.rows, fields * (r.log_scale ? 1 : 2));
+  add(r.low, r.rows, fields * 2);
 }
 
 Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>& ints, int64_t H,

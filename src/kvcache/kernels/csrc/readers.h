@@ -170,12 +170,14 @@ void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, 
 // prefetches one tile ahead waited on the same miss buffers as this pass).
 float touch(const Reader& r, const int32_t* cells, int n);
 
-// The start of each stored row of cells[0:n] that touch() would read (fp16 window rows or code
-// rows), into rows; how many; *row_bytes: the longest row's length (a tile's rows are all of
-// one kind: uniform_prefix). The kernel fetches the next tile's rows through them while it
-// computes this one (LineStream).
-int row_starts(const Reader& r, const int32_t* cells, int n, const char** rows,
-               int64_t* row_bytes);
+// The stored rows of cells[0:n] that touch() would read (fp16 window rows or code rows), added
+// to the line stream: the kernel fetches the next tile's rows while it computes this one.
+void stream_rows(const Reader& r, const int32_t* cells, int n, LineStream& ls);
+
+// The per-cell fields the readers look up for cells[0:n] (fp16 window slots, metadata record
+// ids, scales, minimums), added to the line stream as a span each over the cells' range; none
+// when the cells are scattered (their range over 4 n).
+void stream_fields(const Reader& r, const int32_t* cells, int n, LineStream& ls);
 
 // Inverse turbo rotation in place: y [P] -> x [D] (fwht(y) * signs, first D entries).
 void turbo_unrotate(const float* signs, float* y, int64_t P);

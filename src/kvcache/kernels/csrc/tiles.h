@@ -12,31 +12,55 @@ namespace kvk {
 constexpr int BLK = 64;  // cells per tile
 
 // Cache lines to fetch while the tile math runs (the next tile's stored rows, fp16 window or
-// codes: its keys', then its values'): the math's inner loops call step(), two lines at a
-// time, so that the misses overlap the arithmetic instead of waiting in a pass of their own
-// (touch()); finish() asks for what the math did not reach.
+// codes, and its per-cell fields: byte spans, contiguous rows merged into one): the math's inner
+// loops call step(), so that the misses overlap the arithmetic instead of waiting in a pass of
+// their own (touch()); finish() asks for what the math did not reach. The lines are paced over
+// the steps the tile before took (up to 2 a step): a stream that runs ahead of the read
+// bandwidth fills the miss buffers, and a prefetch that finds them full stalls the math.
 struct LineStream {
-  const char* const* rows = nullptr;  // row starts
-  int split = 0, n = 0;               // rows [0, split) are key rows, [split, n) value rows
-  int64_t kbytes = 0, vbytes = 0;     // bytes of a key row, of a value row
-  int i = 0;
+  static constexpr int MAX_SPANS = 2 * BLK + 16;
+  const char* span[MAX_SPANS];  // starts, rounded down to a cache line
+  int64_t bytes[MAX_SPANS];
+  int n = 0, i = 0;
   int64_t off = 0;
-  void reset(const char* const* r, int keys, int64_t key_bytes, int count, int64_t value_bytes) {
-    rows = r, split = keys, n = count, kbytes = key_bytes, vbytes = value_bytes, i = 0, off = 0;
+  int every = 1, count = 1;       // two lines every `every` steps; steps to the next two
+  int calls = 0, last_calls = 0;  // steps since reset, and the tile before's
+  void reset() { n = 0, i = 0, off = 0, count = 1, last_calls = calls, calls = 0; }
+  // one more span; contiguous with the last one: merged
+  void add(const char* start, int64_t len) {
+    if (len <= 0) return;
+    if (n > 0 && span[n - 1] + bytes[n - 1] == start) {
+      bytes[n - 1] += len;
+      return;
+    }
+    if (n == MAX_SPANS) return;
+    const uintptr_t at = reinterpret_cast<uintptr_t>(start);
+    span[n] = reinterpret_cast<const char*>(at & ~uintptr_t{63});
+    bytes[n++] = len + (int64_t)(at & 63);
+  }
+  // after the spans are added: the pace, done by ~80 % of the steps the tile before took (the
+  // first tile, no steps known, at two lines a step)
+  void start() {
+    int64_t lines = 0;
+    for (int k = 0; k < n; ++k) lines += (bytes[k] + 63) / 64;
+    every = lines > 0 ? (int)std::max<int64_t>(1, (int64_t)last_calls * 8 / (lines * 5)) : 1;
+  }
+  void line() {
+#if KVK_AVX2
+    _mm_prefetch(span[i] + off, _MM_HINT_T1);  // into L2: the tile math reads it from there
+#endif
+    off += 64;
+    if (off >= bytes[i]) off = 0, ++i;
   }
   void step() {
-#if KVK_AVX2
-    for (int t = 0; t < 2 && i < n; ++t) {
-      _mm_prefetch(rows[i] + off, _MM_HINT_T1);  // into L2: the tile math reads it from there
-      off += 64;
-      if (off >= (i < split ? kbytes : vbytes)) off = 0, ++i;
-    }
-#endif
+    ++calls;
+    if (--count > 0 || i >= n) return;
+    count = every;
+    line();
+    if (i < n) line();
   }
   void finish() {
-#if KVK_AVX2
-    while (i < n) step();
-#endif
+    while (i < n) line();
   }
 };
 
