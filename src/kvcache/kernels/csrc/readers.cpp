@@ -548,13 +548,13 @@ using TV = TurboVec;
 // A | B blocks meet the cos | sin rows; the next tile fetched one step per 16 channels
 template <int BITS, int NR, int NC, bool CENTRE>
 inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& t, int j,
-                           float* sc, LineStream* ls) {
+                           float* sc, Steps& st) {
   const int half = D / 2, width = D * BITS / 8;
   TV::V acc[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = TV::zero();
   for (int i = 0; i < half; i += TV::W) {
-    if (ls != nullptr && i % 16 == 0) ls->step();
+    if (i % 16 == 0) st.step();
     for (int part = i; part < D; part += half) {
       TV::V qv[NR];
       for (int r = 0; r < NR; ++r) qv[r] = TV::load(qrot + r * D + part);
@@ -589,13 +589,14 @@ inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& 
 template <int BITS, int NR>
 inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int jb, int c0,
                           float* acc, LineStream* ls) {
+  Steps st(ls);
   const int width = D * BITS / 8;
   constexpr int every = 64 / (4 * TV::W) * 2 - 1;  // 64 channels: every other cell
   TV::V a[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < 4; ++k) a[r][k] = TV::load(acc + r * D + c0 + TV::W * k);
   for (int j = ja; j < jb; ++j) {
-    if (ls != nullptr && (j & every) == 0) ls->step();
+    if ((j & every) == 0) st.step();
     TV::V pv[NR];
     for (int r = 0; r < NR; ++r) pv[r] = TV::set1(p[r * BLK + j]);
     for (int k = 0; k < 4; ++k) {
@@ -626,20 +627,21 @@ void pv_turbo_tile(const float* p, int rows, int D, const TurboRows& t, int ja, 
 template <int BITS, bool CENTRE>
 void qk_turbo_tile(const float* qrot, int rows, int D, int row0, const TurboRows& t, int ja,
                    int jb, float* sc, LineStream* ls) {
+  Steps st(ls);
   for (int r = 0; r < rows; r += 3) {
     const float* qr = qrot + (int64_t)r * D;
     float* s = sc + r * BLK;
     const int nr = rows - r < 3 ? rows - r : 3, r0 = row0 + r;
     int j = ja;
     for (; j + 4 <= jb; j += 4) {
-      if (nr == 1) qk_turbo_cells<BITS, 1, 4, CENTRE>(qr, D, r0, t, j, s, ls);
-      else if (nr == 2) qk_turbo_cells<BITS, 2, 4, CENTRE>(qr, D, r0, t, j, s, ls);
-      else qk_turbo_cells<BITS, 3, 4, CENTRE>(qr, D, r0, t, j, s, ls);
+      if (nr == 1) qk_turbo_cells<BITS, 1, 4, CENTRE>(qr, D, r0, t, j, s, st);
+      else if (nr == 2) qk_turbo_cells<BITS, 2, 4, CENTRE>(qr, D, r0, t, j, s, st);
+      else qk_turbo_cells<BITS, 3, 4, CENTRE>(qr, D, r0, t, j, s, st);
     }
     for (; j < jb; ++j) {
-      if (nr == 1) qk_turbo_cells<BITS, 1, 1, CENTRE>(qr, D, r0, t, j, s, ls);
-      else if (nr == 2) qk_turbo_cells<BITS, 2, 1, CENTRE>(qr, D, r0, t, j, s, ls);
-      else qk_turbo_cells<BITS, 3, 1, CENTRE>(qr, D, r0, t, j, s, ls);
+      if (nr == 1) qk_turbo_cells<BITS, 1, 1, CENTRE>(qr, D, r0, t, j, s, st);
+      else if (nr == 2) qk_turbo_cells<BITS, 2, 1, CENTRE>(qr, D, r0, t, j, s, st);
+      else qk_turbo_cells<BITS, 3, 1, CENTRE>(qr, D, r0, t, j, s, st);
     }
   }
 }

@@ -52,15 +52,43 @@ struct LineStream {
     off += 64;
     if (off >= bytes[i]) off = 0, ++i;
   }
+  // a step counted in the stream itself (loops short of general registers: Steps below)
   void step() {
     ++calls;
-    if (--count > 0 || i >= n) return;
+    if (--count > 0) return;
     count = every;
-    line();
+    issue();
+  }
+  // two more lines (those left)
+  void issue() {
+    if (i < n) line();
     if (i < n) line();
   }
   void finish() {
     while (i < n) line();
+  }
+};
+
+// A hot loop's steps of a line stream (none for nullptr), counted in registers: the loop's
+// vector stores may alias anything, so a count kept in the stream would be reloaded and stored
+// at every step. Written back when the loop ends.
+struct Steps {
+  LineStream* ls;
+  int count = 0, calls = 0;
+  explicit Steps(LineStream* s) : ls(s) {
+    if (ls != nullptr) count = ls->count;
+  }
+  ~Steps() {
+    if (ls != nullptr) ls->count = count, ls->calls += calls;
+  }
+  Steps(const Steps&) = delete;
+  Steps& operator=(const Steps&) = delete;
+  void step() {
+    if (ls == nullptr) return;
+    ++calls;
+    if (--count > 0) return;
+    count = ls->every;
+    ls->issue();
   }
 };
 
@@ -171,12 +199,12 @@ inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D
 // loaded once, and each row's 4 sums are reduced together (3 hadds, not 4 horizontal sums).
 template <int NR, typename R>
 inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
-                      float* sc, LineStream* ls) {
+                      float* sc, Steps& st) {
   __m256 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int c = c0; c < c1; c += 8) {
-    if (ls != nullptr) ls->step();
+    st.step();
     __m256 qv[NR];
     for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q + r * D + c);
     for (int i = 0; i < 4; ++i) {
@@ -195,8 +223,9 @@ inline void qk_tile(const float* q, const typename R::T* const* k, int ja, int j
                     int c0, int c1, float* sc, LineStream* ls) {
   int j = ja;
 #if KVK_AVX2
+  Steps st(ls);
   if constexpr (NR <= 3) {
-    for (; j + 4 <= jb; j += 4) qk_cells4<NR, R>(q, k, j, D, c0, c1, sc, ls);
+    for (; j + 4 <= jb; j += 4) qk_cells4<NR, R>(q, k, j, D, c0, c1, sc, st);
   } else {
     for (; j + 2 <= jb; j += 2) qk_cells<NR, 2, R>(q, k, j, D, c0, c1, sc);
   }
@@ -218,11 +247,12 @@ inline void qk_tile(const float* q, const typename R::T* const* k, int ja, int j
 template <int NR, int NV, typename R>
 inline void pv_cols(const float* p, const typename R::T* const* v, int ja, int jb, int D, int c0,
                     float* acc, LineStream* ls) {
+  Steps st(ls);
   __m256 a[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int x = 0; x < NV; ++x) a[r][x] = _mm256_loadu_ps(acc + r * D + c0 + 8 * x);
   for (int j = ja; j < jb; ++j) {
-    if (ls != nullptr) ls->step();
+    st.step();
     __m256 pr[NR];
     for (int r = 0; r < NR; ++r) pr[r] = _mm256_broadcast_ss(p + r * BLK + j);
     for (int x = 0; x < NV; ++x) {
@@ -307,8 +337,8 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = V::zero();
   for (int i = 0; i < half; i += V::W) {
-    if (ls != nullptr)  // a step per 8 channels, as many per cell at either width
-      for (int s = 0; s < V::W / 8; ++s) ls->step();
+    if (ls != nullptr)  // a step per 8 channels, as many per cell at either width (the
+      for (int s = 0; s < V::W / 8; ++s) ls->step();  // loop is short of registers for Steps)
     for (int c = 0; c < NC; ++c) {
       typename V::V r1, r2;
       kivi_rotated<V>(t.rows[j + c], t.a[j + c], t.b[j + c], t.cs[j + c], t.sn[j + c], i, half,
@@ -430,10 +460,10 @@ inline __m256i dot16x4(const __m256i x[4], const int16_t* q16) {
 template <int NR>
 inline void qk4_cells4(const int16_t* q16, const float* qscale, int D,
                        const uint8_t* const* k, int j, int b, const float* s0, const float* s1,
-                       bool first, float* sc, LineStream* ls) {
+                       bool first, float* sc, Steps& st) {
   __m256i h[2][NR];
   for (int p = 0; p < 2; ++p) {
-    if (ls != nullptr) ls->step();
+    st.step();
     __m256i xa[4], xb[4];
     split_nibbles64(k[j + 2 * p] + b / 2, xa);
     split_nibbles64(k[j + 2 * p + 1] + b / 2, xb);
@@ -469,11 +499,12 @@ inline void qk4_cell(const int16_t* q16, const float* qscale, int D, const uint8
 template <int NR>
 inline void qk4_tile(const int16_t* q16, const float* qscale, int D, const uint8_t* const* k,
                      int ja, int jb, const float* scale, int width, float* sc, LineStream* ls) {
+  Steps st(ls);
   for (int b = 0; b < D; b += 64) {
     const float* s0 = scale + (b / width) * BLK;  // the groups of the block's two lanes
     const float* s1 = scale + ((b + 32) / width) * BLK;
     int j = ja;
-    for (; j + 4 <= jb; j += 4) qk4_cells4<NR>(q16, qscale, D, k, j, b, s0, s1, b == 0, sc, ls);
+    for (; j + 4 <= jb; j += 4) qk4_cells4<NR>(q16, qscale, D, k, j, b, s0, s1, b == 0, sc, st);
     for (; j < jb; ++j) qk4_cell<NR>(q16, qscale, D, k, j, b, s0, s1, b == 0, sc);
   }
 }
@@ -494,6 +525,7 @@ inline void qk4_rows(const int16_t* q16, const float* qscale, int rows, int D,
     }
   }
 }
+
 #endif
 
 // Columns [c0, c1) of the value sums (the whole row unless given)
