@@ -762,9 +762,7 @@ inline const char* stored_row(const Reader& r, int64_t c, int64_t* bytes) {
   *bytes = r.data_cell;
   return reinterpret_cast<const char*>(r.data + c * r.data_cell);
 }
-}  // namespace
 
-namespace {
 // out[j] = the fp16 field `inner` of cells[j]'s record as a float, for j in [a, b): records of
 // `stride` fp16 fields, one a cell (`rows` cells). With AVX-512, 16 cells a step: a gather of
 // the 32 bits holding the field and its neighbour in the same record (the field before it for
