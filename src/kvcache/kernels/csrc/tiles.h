@@ -18,6 +18,8 @@ constexpr int BLK = 64;  // cells per tile
 // the steps the tile before took (up to 2 a step): a stream that runs ahead of the read
 // bandwidth fills the miss buffers, and a prefetch that finds them full stalls the math.
 struct LineStream {
+  // a tile's rows, key and value, one span each at most (scattered cells), and its fields
+  // (a span past the last is dropped: a line not fetched early is read when needed)
   static constexpr int MAX_SPANS = 2 * BLK + 16;
   const char* span[MAX_SPANS];  // starts, rounded down to a cache line
   int64_t bytes[MAX_SPANS];
@@ -525,7 +527,6 @@ inline void qk4_rows(const int16_t* q16, const float* qscale, int rows, int D,
     }
   }
 }
-
 #endif
 
 // Columns [c0, c1) of the value sums (the whole row unless given)
