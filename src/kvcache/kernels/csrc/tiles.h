@@ -55,12 +55,7 @@ struct LineStream {
     if (off >= bytes[i]) off = 0, ++i;
   }
   // a step counted in the stream itself (loops short of general registers: Steps below)
-  void step() {
-    ++calls;
-    if (--count > 0) return;
-    count = every;
-    issue();
-  }
+  void step();
   // two more lines (those left)
   void issue() {
     if (i < n) line();
@@ -93,6 +88,8 @@ struct Steps {
     ls->issue();
   }
 };
+
+inline void LineStream::step() { Steps(this).step(); }
 
 // Row kinds the tile math reads: 8 channels from c of a row as floats, in registers.
 struct FloatRows {  // float32 rows (storage or a decoded tile)
