@@ -55,6 +55,58 @@ class SealGroup:
     fresh: bool  # ``meta`` is new: its values come from the rows of ``basis``
     basis: np.ndarray  # [m] cells (old open rows or this forward's new rows)
     basis_slots: np.ndarray  # [m] their slots (-1: new)
+    rows: np.ndarray  # [n] the forward's token (row of K/V) of each new cell (-1: old)
+    basis_rows: np.ndarray  # [m] the same for ``basis``
+
+    @property
+    def basis_source(self) -> RowSource:
+        """Where the rows of ``basis`` are read from."""
+        return RowSource.of(self.basis_slots, self.basis_rows)
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where rows to encode are read from, as index tensors: a row of this forward's K/V
+    (``new_rows``, to places ``new_at`` of the result) or a window slot (``old_slots``, to
+    ``old_at``). Built once per plan, used by every layer's buffers."""
+
+    count: int
+    new_at: torch.Tensor
+    new_rows: torch.Tensor
+    old_at: torch.Tensor
+    old_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, slots: np.ndarray, rows: np.ndarray) -> RowSource:
+        """Rows with window ``slots`` (-1: none) or, where none, the forward's ``rows``."""
+        new = slots < 0
+        assert (rows[new] >= 0).all(), "a sealed row neither new nor in a window"
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a.astype(np.int64))
+
+        return cls(
+            len(slots),
+            t(np.flatnonzero(new)),
+            t(rows[new]),
+            t(np.flatnonzero(~new)),
+            t(slots[~new]),
+        )
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """Every row a plan encodes, its groups' parts concatenated (built once per plan)."""
+
+    cells: np.ndarray  # [n]
+    at: torch.Tensor  # [n] the same, int64
+    metas: np.ndarray  # [n] metadata id of each (-1: none)
+    source: RowSource
+
+    @property
+    def top(self) -> int:
+        """1 + the highest cell."""
+        return int(self.cells.max()) + 1
 
 
 @dataclass(frozen=True)
@@ -70,8 +122,19 @@ class SealPlan:
     def everything(cls, cells: np.ndarray) -> SealPlan:
         """Encode every new row with no metadata (a reserve forward's allocation only)."""
         none = cells[:0]
-        group = SealGroup(cells, np.full(len(cells), -1), -1, False, none, none)
+        rows = np.arange(len(cells))
+        group = SealGroup(cells, np.full(len(cells), -1), -1, False, none, none, rows, none)
         return cls(none, none, (group,), none.astype(np.int64))
+
+    @cached_property
+    def sealed(self) -> Sealed:
+        """The groups' rows together (call only with groups)."""
+        cells = np.concatenate([g.cells for g in self.groups])
+        slots = np.concatenate([g.slots for g in self.groups])
+        rows = np.concatenate([g.rows for g in self.groups])
+        metas = np.concatenate([np.full(len(g.cells), g.meta) for g in self.groups])
+        at = torch.from_numpy(cells.astype(np.int64))
+        return Sealed(cells, at, metas, RowSource.of(slots, rows))
 
     @cached_property
     def keep_index(self) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -147,7 +210,7 @@ class Windows:
             sealing = cand[: max(excess // b * b, 0)]
             claimed[sealing] = True
             if len(sealing):
-                groups.extend(self._groups(seq, sealing, cand))
+                groups.extend(self._groups(seq, sealing, cand, row_of))
             keep.append(cand[len(sealing) :][is_new[cand[len(sealing) :]]])
         kept = np.concatenate(keep) if keep else locs[:0]
         for group in groups:
@@ -157,11 +220,14 @@ class Windows:
         self.open[kept] = True
         return SealPlan(kept, self._assign(kept), tuple(groups), row_of[kept])
 
-    def _groups(self, seq: int, sealing: np.ndarray, cand: np.ndarray) -> list[SealGroup]:
+    def _groups(
+        self, seq: int, sealing: np.ndarray, cand: np.ndarray, row_of: np.ndarray
+    ) -> list[SealGroup]:
         kind = self.spec.meta
         slots = self.slot_of[sealing].copy()
+        rows = row_of[sealing]
         if kind == "none":
-            return [SealGroup(sealing, slots, -1, False, sealing[:0], slots[:0])]
+            return [SealGroup(sealing, slots, -1, False, sealing[:0], slots[:0], rows, rows[:0])]
         if kind == "sequence":
             meta = self.seq_meta.get(seq)
             fresh = meta is None
@@ -170,12 +236,16 @@ class Windows:
                 self.seq_meta[seq] = meta
                 self._users[meta] += 1  # the sequence itself
             basis = cand if fresh else cand[:0]
-            return [SealGroup(sealing, slots, meta, fresh, basis, self.slot_of[basis].copy())]
+            basis_slots = self.slot_of[basis].copy()
+            return [SealGroup(sealing, slots, meta, fresh, basis, basis_slots, rows, row_of[basis])]
         g = self.spec.group
         out = []
         for i in range(0, len(sealing), g):
-            part, part_slots = sealing[i : i + g], slots[i : i + g]
-            out.append(SealGroup(part, part_slots, self._new_meta(), True, part, part_slots))
+            part, part_slots, part_rows = sealing[i : i + g], slots[i : i + g], rows[i : i + g]
+            meta = self._new_meta()
+            out.append(
+                SealGroup(part, part_slots, meta, True, part, part_slots, part_rows, part_rows)
+            )
         return out
 
     # ---- changes -----------------------------------------------------------------------

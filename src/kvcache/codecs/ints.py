@@ -22,6 +22,7 @@ from kvcache.codecs.base import AFFINE_ROWS, INT8, Buffer, Codec, Layout, grown
 from kvcache.codecs.pack import pack, unpack, unpack4
 from kvcache.codecs.window import CentredBuffer, WindowedBuffer
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
+from kvcache.kernels import encode
 from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
 
 META = torch.float16  # scales and minimums: counted in nbytes like the codes
@@ -39,6 +40,13 @@ class Int8Buffer(WindowedBuffer):
         self.codes, self.scale = grown(self.codes, rows), grown(self.scale, rows)
 
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        if encode.served(x, self.codes, self.scale):
+            encode.int8(x, cells, self.codes, self.scale)
+        else:
+            self.encode_reference(cells, x)
+
+    def encode_reference(self, cells: torch.Tensor, x: torch.Tensor) -> None:
+        """The torch expression of the codes (what the kernel equals)."""
         scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).to(META)  # [n, H, 1]
         safe = scale.float().clamp_min(torch.finfo(META).tiny)
         self.codes.index_copy_(0, cells, torch.round(x / safe).clamp_(-127, 127).to(torch.int8))
@@ -109,6 +117,13 @@ class AffineRowsBuffer(CentredBuffer):
 
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
         x = self.centred(x, metas, cells)
+        if encode.served(x, self.codes, self.scale, self.low):
+            encode.affine(x, cells, self.bits, self.group, self.codes, self.scale, self.low)
+        else:
+            self.encode_reference(cells, x)
+
+    def encode_reference(self, cells: torch.Tensor, x: torch.Tensor) -> None:
+        """The torch expression of the codes of centred rows ``x`` (what the kernel equals)."""
         t, h, _ = x.shape
         levels = (1 << self.bits) - 1
         xg = x.reshape(t, h, -1, self.group)  # [T, H, D/G, G]

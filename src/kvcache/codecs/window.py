@@ -30,7 +30,7 @@ from kvcache.codecs.base import (
     capacity,
     tensor_bytes,
 )
-from kvcache.recent import SealPlan, Windows
+from kvcache.recent import RowSource, SealPlan, Windows
 
 RESIDUAL = torch.float16
 
@@ -102,18 +102,14 @@ class WindowedBuffer(Buffer):
             plan = SealPlan.everything(cell_index(locs))
         rows = x.to(RESIDUAL)  # [T, H, D]: what a window keeps, and what is encoded
         if plan.groups:  # read every sealed row before a kept row reuses its slot
-            new = cell_index(locs)
             values = rows.float()
             for group in plan.groups:
                 if group.fresh and len(group.basis):
-                    basis = self._rows(group.basis, group.basis_slots, new, values)
+                    basis = self._rows(group.basis_source, values)
                     self._fresh(group.meta, basis, group.basis)
-            cells = np.concatenate([g.cells for g in plan.groups])
-            slots = np.concatenate([g.slots for g in plan.groups])
-            metas = np.concatenate([np.full(len(g.cells), g.meta) for g in plan.groups])
-            self._reserve(int(cells.max()) + 1)
-            at = self.index(cells)
-            self._encode(at, self._rows(cells, slots, new, values), metas)
+            sealed = plan.sealed
+            self._reserve(sealed.top)
+            self._encode(self.on_device(sealed.at), self._rows(sealed.source, values), sealed.metas)
         self._fit_window()
         if len(plan.keep):  # decode steps: one copy of every row into its slot
             src, to = plan.keep_index  # K/V rows (None: the first len(to)), window slots
@@ -206,20 +202,19 @@ class WindowedBuffer(Buffer):
         self.residual.index_copy_(0, kept, rows["residual"].to(self.device))
 
     # ---- helpers --------------------------------------------------------------------------
-    def _rows(
-        self, cells: np.ndarray, slots: np.ndarray, new: np.ndarray, values: torch.Tensor
-    ) -> torch.Tensor:
-        """float32 rows [n, H, D] of ``cells``: this forward's (slot -1) or a window slot's."""
-        out = torch.empty((len(cells), self.heads, self.dim), device=self.device)
-        fresh = slots < 0
-        if fresh.any():
-            pos = np.searchsorted(new, cells[fresh])
-            assert np.array_equal(new[pos], cells[fresh]), f"cells {cells[fresh]} not new"
-            out[self.index(fresh)] = values[self.index(pos)]
-        if (~fresh).any():
-            at = self.index(slots[~fresh].astype(np.int64))
-            out[self.index(~fresh)] = self.residual[at].float()
-        return out
+    def _rows(self, source: RowSource, values: torch.Tensor) -> torch.Tensor:
+        """float32 rows [n, H, D] from ``source``: this forward's ``values`` [T, H, D] or
+        window slots."""
+        d = self.on_device
+        if len(source.new_rows) == 0:  # a decode step's seal: all from the window
+            return self.residual.index_select(0, d(source.old_slots)).float()
+        new = values.index_select(0, d(source.new_rows))
+        if len(source.old_slots) == 0:  # a prompt's rows
+            return new
+        out = torch.empty((source.count, self.heads, self.dim), device=self.device)
+        out.index_copy_(0, d(source.new_at), new)
+        old = self.residual.index_select(0, d(source.old_slots)).float()
+        return out.index_copy_(0, d(source.old_at), old)
 
     def _reserve(self, rows: int) -> None:
         if rows > self.rows:

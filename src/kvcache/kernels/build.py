@@ -34,7 +34,7 @@ import torch
 
 from kvcache.errors import NotSupportedError
 
-SOURCES = ("attention.cpp", "dense.cpp", "linear.cpp", "readers.cpp")
+SOURCES = ("attention.cpp", "dense.cpp", "encode.cpp", "linear.cpp", "readers.cpp")
 HEADERS = ("matrows.h", "readers.h", "simd.h", "tiles.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 

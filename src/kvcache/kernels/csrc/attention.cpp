@@ -654,6 +654,11 @@ int64_t parallel_threads(int64_t n) {
 
 // linear.cpp
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+// encode.cpp
+void encode_int8(const at::Tensor& x, const at::Tensor& cells, at::Tensor& codes,
+                 at::Tensor& scale);
+void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, int64_t group,
+                   at::Tensor& codes, at::Tensor& scale, at::Tensor& low);
 // dense.cpp
 at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& windows, double scale);
@@ -668,5 +673,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &kvk::linear_rows, "x @ w^T (+ bias) for a few rows of x");
   m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
   m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit keys)");
+  m.def("encode_int8", &kvk::encode_int8, "int8 codes and scales of rows, into their cells");
+  m.def("encode_affine", &kvk::encode_affine, "affine codes, scales, minimums, into cells");
   m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
 }

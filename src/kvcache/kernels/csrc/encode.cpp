@@ -1,0 +1,127 @@
+// Encoders of the integer codecs: float32 rows -> codes, written straight into a buffer's
+// cells (the torch expressions of src/kvcache/codecs/ints.py took ~20 small ops a call, and a
+// decode step that seals a sequence's rows calls one per layer and K/V).
+//
+// Each equals its torch expression bit for bit: the same float32 operations in the same order
+// (true division, never a reciprocal), round half to even, fp16 by round to nearest even.
+//   int8:   scale = fp16(max|x| / 127); q = clamp(round(x / max(scale, tiny)), -127, 127)
+//   affine: per group of channels lo, hi = min, max; low = fp16(lo);
+//           scale = fp16((hi - low) / levels); q = clamp(round((x - low) / max(scale, tiny)),
+//           0, levels), packed little end first (kvcache.codecs.pack)
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace kvk {
+
+namespace {
+
+constexpr float HALF_TINY = 6.103515625e-05f;  // torch.finfo(torch.float16).tiny
+constexpr int64_t GRAIN = 1024;                // rows (cell x head) a thread takes at least
+
+float to_half(float v, c10::Half* out) {
+  *out = c10::Half(v);
+  return static_cast<float>(*out);
+}
+
+// x [n, H, D] float32 and cells [n] int64 < rows checked; returns n
+int64_t check_rows(const at::Tensor& x, const at::Tensor& cells, int64_t rows, int64_t H,
+                   int64_t D) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.is_contiguous() &&
+                  x.size(1) == H && x.size(2) == D,
+              "kvcache encode: x must be a contiguous float32 [n, ", H, ", ", D, "] tensor");
+  TORCH_CHECK(cells.scalar_type() == at::kLong && cells.dim() == 1 && cells.is_contiguous() &&
+                  cells.size(0) == x.size(0),
+              "kvcache encode: cells must be a contiguous int64 [n] tensor");
+  const int64_t* c = cells.data_ptr<int64_t>();
+  for (int64_t i = 0; i < cells.size(0); ++i)
+    TORCH_CHECK(c[i] >= 0 && c[i] < rows, "kvcache encode: cell ", c[i], " outside [0, ", rows,
+                ")");
+  return x.size(0);
+}
+
+void check_out(const at::Tensor& t, at::ScalarType type, int64_t rows, int64_t H, int64_t width,
+               const char* name) {
+  TORCH_CHECK(t.scalar_type() == type && t.dim() == 3 && t.is_contiguous() && t.size(0) == rows &&
+                  t.size(1) == H && t.size(2) == width,
+              "kvcache encode: ", name, " must be a contiguous ", c10::toString(type), " [",
+              rows, ", ", H, ", ", width, "] tensor");
+}
+
+}  // namespace
+
+// codes int8 [N', H, D], scale fp16 [N', H, 1]: row i of x into cell cells[i]
+void encode_int8(const at::Tensor& x, const at::Tensor& cells, at::Tensor& codes,
+                 at::Tensor& scale) {
+  const int64_t rows = codes.size(0), H = codes.size(1), D = codes.size(2);
+  check_out(codes, at::kChar, rows, H, D, "codes");
+  check_out(scale, at::kHalf, rows, H, 1, "scale");
+  const int64_t n = check_rows(x, cells, rows, H, D);
+  const float* xp = x.data_ptr<float>();
+  const int64_t* cp = cells.data_ptr<int64_t>();
+  int8_t* qp = codes.data_ptr<int8_t>();
+  c10::Half* sp = scale.data_ptr<c10::Half>();
+  at::parallel_for(0, n * H, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * D;
+      const int64_t at_ = cp[r / H] * H + r % H;
+      float m = 0.f;
+      for (int64_t i = 0; i < D; ++i) m = std::max(m, std::fabs(row[i]));
+      const float safe = std::max(to_half(m / 127.f, sp + at_), HALF_TINY);
+      int8_t* q = qp + at_ * D;
+      for (int64_t i = 0; i < D; ++i)
+        q[i] = (int8_t)std::min(std::max(std::nearbyint(row[i] / safe), -127.f), 127.f);
+    }
+  });
+}
+
+// codes uint8 [N', H, D * bits / 8], scale and low fp16 [N', H, D / group]
+void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, int64_t group,
+                   at::Tensor& codes, at::Tensor& scale, at::Tensor& low) {
+  TORCH_CHECK(bits == 2 || bits == 4, "kvcache encode: affine codes of 2 or 4 bits");
+  const int64_t rows = codes.size(0), H = codes.size(1), per = 8 / bits;
+  const int64_t D = codes.size(2) * per;
+  TORCH_CHECK(group > 0 && group <= 256 && D % group == 0 && group % per == 0,
+              "kvcache encode: group must divide head_dim in whole bytes (at most 256 channels)");
+  const int64_t groups = D / group;
+  check_out(codes, at::kByte, rows, H, D / per, "codes");
+  check_out(scale, at::kHalf, rows, H, groups, "scale");
+  check_out(low, at::kHalf, rows, H, groups, "low");
+  const int64_t n = check_rows(x, cells, rows, H, D);
+  const float levels = (float)((1 << bits) - 1);
+  const float* xp = x.data_ptr<float>();
+  const int64_t* cp = cells.data_ptr<int64_t>();
+  uint8_t* qp = codes.data_ptr<uint8_t>();
+  c10::Half* sp = scale.data_ptr<c10::Half>();
+  c10::Half* lp = low.data_ptr<c10::Half>();
+  at::parallel_for(0, n * H, GRAIN, [&](int64_t begin, int64_t end) {
+    float q[256];  // one group's codes (group <= 256, checked above)
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t at_ = cp[r / H] * H + r % H;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* v = xp + r * D + g * group;
+        float lo = v[0], hi = v[0];
+        for (int64_t i = 1; i < group; ++i) {
+          lo = std::min(lo, v[i]);
+          hi = std::max(hi, v[i]);
+        }
+        const float lowf = to_half(lo, lp + at_ * groups + g);
+        const float safe = std::max(to_half((hi - lowf) / levels, sp + at_ * groups + g), HALF_TINY);
+        for (int64_t i = 0; i < group; ++i)
+          q[i] = std::min(std::max(std::nearbyint((v[i] - lowf) / safe), 0.f), levels);
+        uint8_t* out = qp + (at_ * D + g * group) / per;
+        for (int64_t j = 0; j < group / per; ++j) {
+          uint32_t byte = 0;
+          for (int64_t k = 0; k < per; ++k) byte |= (uint32_t)q[j * per + k] << (bits * k);
+          out[j] = (uint8_t)byte;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace kvk

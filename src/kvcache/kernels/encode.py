@@ -1,0 +1,51 @@
+"""Encoders of the integer codecs in C++ (``csrc/encode.cpp``): rows to codes, written into
+the buffer's cells in one call.
+
+A decode step that seals a sequence's oldest window rows encodes a few dozen rows per layer
+and K/V; as torch expressions that is ~20 small ops a call, and with sequences of different
+lengths some sequence seals on every other step. The kernels equal the torch expressions of
+``kvcache.codecs.ints`` bit for bit (tests/kernels/test_encode.py); ``KVCACHE_ENCODE=reference``
+(or a tensor the kernels do not serve: not float32, not on the CPU) takes the torch path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvcache.kernels.build import extension
+
+ENCODE_ENV = "KVCACHE_ENCODE"  # "reference": the codecs' torch expressions
+
+
+def served(x: torch.Tensor, *outputs: torch.Tensor) -> bool:
+    """Whether the kernels encode rows ``x`` into ``outputs``."""
+    return (
+        os.environ.get(ENCODE_ENV, "") != "reference"
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in outputs)
+    )
+
+
+def int8(x: torch.Tensor, cells: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """Rows ``x`` [n, H, D] into ``codes`` [N, H, D] int8 and ``scale`` [N, H, 1] fp16 at
+    ``cells`` [n]."""
+    extension().encode_int8(x.contiguous(), cells.long().contiguous(), codes, scale)
+
+
+def affine(
+    x: torch.Tensor,
+    cells: torch.Tensor,
+    bits: int,
+    group: int,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor,
+) -> None:
+    """Rows ``x`` [n, H, D] into packed ``codes`` [N, H, D*bits/8] and the groups' ``scale``
+    and ``low`` [N, H, D/group] fp16 at ``cells`` [n]."""
+    extension().encode_affine(
+        x.contiguous(), cells.long().contiguous(), bits, group, codes, scale, low
+    )

@@ -1,0 +1,172 @@
+"""kernels.encode: the integer codecs' encoders in C++ equal their torch expressions bit for
+bit (codes, fp16 scales and minimums), write only the cells they are given, refuse bad
+arguments, and a cache that seals through them holds the codes the torch path writes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvcache import Batch, CausalCache
+from kvcache.codecs.ints import AffineRowsBuffer, Int8Buffer
+from kvcache.kernels import encode
+from kvcache.kernels.encode import ENCODE_ENV
+from kvcache.models.rope import Rope
+
+
+def _rows(n: int, heads: int, dim: int, seed: int) -> torch.Tensor:
+    """fp16-exact rows over 10 decades of magnitude, with a zero row, a constant row, a row
+    of equal halves and fp16 subnormals (what stores hand the encoders: fp16 rounded)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, dim, generator=g) * torch.logspace(-6, 4, n)[:, None, None]
+    x[1] = 0.0
+    x[2] = 1.5
+    x[3, :, : dim // 2], x[3, :, dim // 2 :] = -2.0, 3.0
+    x[4] = torch.randn(heads, dim, generator=g) * 3e-7
+    return x.half().float()
+
+
+def _fields_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality (fp16 compared as its bits, so -0.0 != 0.0 and NaNs compare)."""
+    if a.dtype == torch.float16:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_int8_kernel_equals_the_torch_expression(dim: int) -> None:
+    heads, cells_n = 3, 40
+    x = _rows(24, heads, dim, seed=dim)
+    cells = torch.randperm(cells_n, generator=torch.Generator().manual_seed(1))[:24]
+    got, want = (
+        SimpleNamespace(
+            codes=torch.zeros(cells_n, heads, dim, dtype=torch.int8),
+            scale=torch.zeros(cells_n, heads, 1, dtype=torch.float16),
+        )
+        for _ in range(2)
+    )
+    assert encode.served(x, got.codes, got.scale)
+    encode.int8(x, cells, got.codes, got.scale)
+    Int8Buffer.encode_reference(want, cells, x)  # type: ignore[arg-type]
+    assert _fields_equal(got.codes, want.codes) and _fields_equal(got.scale, want.scale)
+    untouched = np.setdiff1d(np.arange(cells_n), cells.numpy())
+    assert not got.codes[untouched].any() and not got.scale[untouched].float().any()
+    assert got.codes.abs().max() == 127  # the codes use their range
+
+
+@pytest.mark.parametrize(("bits", "group", "dim"), [(4, 32, 64), (4, 64, 64), (4, 32, 128),
+                                                   (2, 32, 64), (4, 2, 64), (2, 4, 64)])  # fmt: skip
+def test_affine_kernel_equals_the_torch_expression(bits: int, group: int, dim: int) -> None:
+    heads, cells_n = 3, 40
+    x = _rows(24, heads, dim, seed=bits * 100 + group)
+    cells = torch.randperm(cells_n, generator=torch.Generator().manual_seed(2))[:24]
+
+    def fresh() -> SimpleNamespace:
+        return SimpleNamespace(
+            codes=torch.zeros(cells_n, heads, dim * bits // 8, dtype=torch.uint8),
+            scale=torch.zeros(cells_n, heads, dim // group, dtype=torch.float16),
+            low=torch.zeros(cells_n, heads, dim // group, dtype=torch.float16),
+            bits=bits,
+            group=group,
+            dim=dim,
+        )
+
+    got, want = fresh(), fresh()
+    encode.affine(x, cells, bits, group, got.codes, got.scale, got.low)
+    AffineRowsBuffer.encode_reference(want, cells, x)  # type: ignore[arg-type]
+    for name in ("codes", "scale", "low"):
+        assert _fields_equal(getattr(got, name), getattr(want, name)), name
+    untouched = np.setdiff1d(np.arange(cells_n), cells.numpy())
+    assert not got.codes[untouched].any() and not got.low[untouched].float().any()
+    codes = got.codes[cells]
+    assert (codes & ((1 << bits) - 1)).max() == (1 << bits) - 1  # the top level is used
+
+
+def test_bad_arguments_are_refused_and_write_nothing() -> None:
+    x = _rows(6, 2, 64, seed=3)[:4].contiguous()
+    codes = torch.zeros(8, 2, 32, dtype=torch.uint8)
+    scale, low = (
+        torch.zeros(8, 2, 2, dtype=torch.float16),
+        torch.zeros(8, 2, 2, dtype=torch.float16),
+    )
+    with pytest.raises(RuntimeError, match="cell 8 outside"):
+        encode.affine(x, torch.tensor([0, 1, 2, 8]), 4, 32, codes, scale, low)
+    with pytest.raises(RuntimeError, match="2 or 4 bits"):
+        encode.affine(x, torch.arange(4), 3, 32, codes, scale, low)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        encode.affine(x, torch.arange(4), 4, 16, codes, scale, low)  # 4 groups, 2 scales
+    with pytest.raises(RuntimeError, match="x must be"):
+        encode.affine(x[:, :1].contiguous(), torch.arange(4), 4, 32, codes, scale, low)
+    assert not codes.any() and not scale.float().any() and not low.float().any()
+    i8 = torch.zeros(8, 2, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="cells must be"):
+        encode.int8(x, torch.arange(3), i8, torch.zeros(8, 2, 1, dtype=torch.float16))
+    assert not i8.any()
+
+
+def _staggered_cache(codec: str) -> tuple[CausalCache, dict[int, list[torch.Tensor]]]:
+    """Four sequences of different lengths past the windows, decoding 40 steps: some sequence
+    seals rows at most steps (int8, without a window, seals a decode step's own row with 31
+    of the window's), and the prompts seal rows straight from the forward's own K/V. Returns
+    the cache and each sequence's layer-0 value rows as put."""
+    layers, heads, dim = 2, 3, 64
+    g = torch.Generator().manual_seed(4)
+    cache = CausalCache(4 * 260, max_sequences=4, shift=Rope(dim, 100000.0), codec=codec)
+    lengths = [150, 163, 171, 190]
+    put: dict[int, list[torch.Tensor]] = {s: [] for s in range(4)}
+    for s, n in enumerate(lengths):
+        cache.start_forward(Batch.single(s, 0, n))
+        for layer in range(layers):
+            k, v = torch.randn(2, n, heads, dim, generator=g)
+            cache.put(layer, k, v)
+            if layer == 0:
+                put[s].append(v)
+    for i in range(40):
+        cache.start_forward(Batch(positions=[n + i for n in lengths], sequences=[0, 1, 2, 3]))
+        for layer in range(layers):
+            k, v = torch.randn(2, 4, heads, dim, generator=g)
+            cache.put(layer, k, v)
+            if layer == 0:
+                for s in range(4):
+                    put[s].append(v[s : s + 1])
+    return cache, put
+
+
+def test_sealed_rows_are_the_rows_put() -> None:
+    """int8 values decoded from a staggered cache are the rows put within half a step (a row
+    read from the wrong place in a seal is far outside)."""
+    cache, put = _staggered_cache("int8")
+    for s, parts in put.items():
+        want = torch.cat(parts).half().float()
+        _, got = cache.read(0, torch.from_numpy(cache.cells_of(s)))
+        step = want.abs().amax(-1, keepdim=True) / 127
+        assert ((got - want).abs() <= step * 0.5 * 1.01 + 1e-6).all(), s
+    cache.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "kivi4", "int8/int4"])
+def test_a_cache_sealing_through_the_kernels_holds_the_torch_paths_codes(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENCODE_ENV, "kernel")
+    fast, _ = _staggered_cache(codec)
+    monkeypatch.setenv(ENCODE_ENV, "reference")
+    plain, _ = _staggered_cache(codec)
+    compared = 0
+    for layer in fast.storage.layers:
+        for role in ("keys", "values"):
+            a, b = (
+                getattr(fast.storage.layers[layer], role),
+                getattr(plain.storage.layers[layer], role),
+            )
+            for name in (*a.CELL_FIELDS, *a.RECORD_FIELDS, "residual"):
+                if getattr(a, name, None) is None:
+                    continue
+                assert _fields_equal(getattr(a, name), getattr(b, name)), (layer, role, name)
+                compared += 1
+    assert compared >= 12
+    fast.close()
+    plain.close()
