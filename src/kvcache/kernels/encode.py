@@ -4,7 +4,7 @@ the buffer's cells in one call.
 A decode step that seals a sequence's oldest window rows encodes a few dozen rows per layer
 and K/V; as torch expressions that is ~20 small ops a call, and with sequences of different
 lengths some sequence seals on every other step. The kernels equal the torch expressions of
-``kvcache.codecs.ints`` bit for bit (tests/kernels/test_encode.py); ``KVCACHE_ENCODE=reference``
+``kvcache.codecs.ints`` bit for bit (tests/test_encode.py); ``KVCACHE_ENCODE=reference``
 (or a tensor the kernels do not serve: not float32, not on the CPU) takes the torch path.
 """
 
