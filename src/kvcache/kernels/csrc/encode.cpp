@@ -2,8 +2,9 @@
 // cells (the torch expressions of src/kvcache/codecs/ints.py took ~20 small ops a call, and a
 // decode step that seals a sequence's rows calls one per layer and K/V).
 //
-// Each equals its torch expression bit for bit: the same float32 operations in the same order
-// (true division, never a reciprocal), round half to even, fp16 by round to nearest even.
+// For finite rows each equals its torch expression bit for bit: the same float32 operations in
+// the same order (true division, never a reciprocal), round half to even, fp16 by round to
+// nearest even (NaN rows, which no model should store, may code differently).
 //   int8:   scale = fp16(max|x| / 127); q = clamp(round(x / max(scale, tiny)), -127, 127)
 //   affine: per group of channels lo, hi = min, max; low = fp16(lo);
 //           scale = fp16((hi - low) / levels); q = clamp(round((x - low) / max(scale, tiny)),
