@@ -107,6 +107,26 @@ def test_bad_arguments_are_refused_and_write_nothing() -> None:
     assert not i8.any()
 
 
+def test_groups_of_fewer_than_a_byte_of_codes_take_the_torch_path() -> None:
+    """2-bit codes in groups of 2 channels (half a byte a group): the kernel refuses such
+    groups, so the buffer encodes them with torch, and they decode within half a step."""
+    from kvcache.codecs.ints import AffineRowsCodec
+
+    codec = AffineRowsCodec(2, 2, centre=False, window=0, name="int2g2")
+    cache = CausalCache(64, codec=codec)
+    x = (torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(5)) * 3).half().float()
+    cache.start_forward(Batch.single(0, 0, 32))
+    cache.put(0, x, x)
+    _, got = cache.read(0, torch.from_numpy(cache.cells_of(0)))
+    pairs = x.view(32, 2, 32, 2)
+    step = (pairs.amax(-1) - pairs.amin(-1)) / 3
+    err = (got.view(32, 2, 32, 2) - pairs).abs().amax(-1)
+    # half a step, plus the fp16 rounding of the group's scale and minimum (3 steps' worth)
+    assert (err <= step * 0.51 + pairs.abs().amax(-1) * 2.0**-9 + 1e-7).all()
+    assert err.max() > 0  # it really quantizes
+    cache.close()
+
+
 def _staggered_cache(codec: str) -> tuple[CausalCache, dict[int, list[torch.Tensor]]]:
     """Four sequences of different lengths past the windows, decoding 40 steps: some sequence
     seals rows at most steps (int8, without a window, seals a decode step's own row with 31

@@ -117,7 +117,8 @@ class AffineRowsBuffer(CentredBuffer):
 
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
         x = self.centred(x, metas, cells)
-        if encode.served(x, self.codes, self.scale, self.low):
+        whole_bytes = self.group * self.bits % 8 == 0  # the kernel packs a group at a time
+        if whole_bytes and encode.served(x, self.codes, self.scale, self.low):
             encode.affine(x, cells, self.bits, self.group, self.codes, self.scale, self.low)
         else:
             self.encode_reference(cells, x)
