@@ -12,6 +12,7 @@ import torch
 
 from kvcache import Batch, CausalCache
 from kvcache.codecs.ints import AffineRowsBuffer, Int8Buffer
+from kvcache.codecs.kivi import ChannelBuffer
 from kvcache.kernels import encode
 from kvcache.kernels.encode import ENCODE_ENV
 from kvcache.models.rope import Rope
@@ -83,6 +84,42 @@ def test_affine_kernel_equals_the_torch_expression(bits: int, group: int, dim: i
     assert not got.codes[untouched].any() and not got.low[untouched].float().any()
     codes = got.codes[cells]
     assert (codes & ((1 << bits) - 1)).max() == (1 << bits) - 1  # the top level is used
+
+
+@pytest.mark.parametrize(("bits", "dim"), [(4, 64), (2, 64), (4, 128)])
+def test_channel_kernels_equal_the_torch_expressions(bits: int, dim: int) -> None:
+    """KIVI keys: a record's channel ranges over its rows, then each row's codes against its
+    record (rows of two records interleaved, the records' rows in the cells named)."""
+    heads, cells_n, records = 3, 40, 4
+    x = _rows(24, heads, dim, seed=bits * 10 + dim)
+    cells = torch.randperm(cells_n, generator=torch.Generator().manual_seed(3))[:24]
+    metas = np.array([1, 3] * 12)
+
+    def fresh() -> SimpleNamespace:
+        return SimpleNamespace(
+            codes=torch.zeros(cells_n, heads, dim * bits // 8, dtype=torch.uint8),
+            scale=torch.zeros(records, heads, dim, dtype=torch.float16),
+            low=torch.zeros(records, heads, dim, dtype=torch.float16),
+            bits=bits,
+            index=torch.from_numpy,
+        )
+
+    got, want = fresh(), fresh()
+    for meta in (1, 3):
+        encode.ranges(x[metas == meta], meta, bits, got.scale, got.low)
+        ChannelBuffer.fresh_reference(want, meta, x[metas == meta])  # type: ignore[arg-type]
+    encode.channels(x, cells, torch.from_numpy(metas), bits, got.codes, got.scale, got.low)
+    ChannelBuffer.encode_reference(want, cells, x, metas)  # type: ignore[arg-type]
+    for name in ("codes", "scale", "low"):
+        assert _fields_equal(getattr(got, name), getattr(want, name)), name
+    assert not got.scale[[0, 2]].float().any()  # other records untouched
+    untouched = np.setdiff1d(np.arange(cells_n), cells.numpy())
+    assert not got.codes[untouched].any()
+    assert (got.codes[cells] & ((1 << bits) - 1)).max() == (1 << bits) - 1
+    with pytest.raises(RuntimeError, match="record 4 outside"):
+        encode.channels(x, cells, torch.full((24,), 4), bits, got.codes, got.scale, got.low)
+    with pytest.raises(RuntimeError, match="record -1 outside"):
+        encode.ranges(x, -1, bits, got.scale, got.low)
 
 
 def test_bad_arguments_are_refused_and_write_nothing() -> None:
@@ -167,7 +204,7 @@ def test_sealed_rows_are_the_rows_put() -> None:
     cache.close()
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "kivi4", "int8/int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "kivi4", "kivi2", "int8/int4"])
 def test_a_cache_sealing_through_the_kernels_holds_the_torch_paths_codes(
     codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

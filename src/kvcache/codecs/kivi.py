@@ -24,6 +24,7 @@ from kvcache.codecs.ints import META, AffineRowsCodec
 from kvcache.codecs.pack import pack, unpack, unpack4
 from kvcache.codecs.window import WindowedBuffer
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
+from kvcache.kernels import encode
 from kvcache.recent import Windows, WindowSpec
 
 
@@ -50,11 +51,26 @@ class ChannelBuffer(WindowedBuffer):
     def _fresh(self, meta: int, basis: torch.Tensor, cells: np.ndarray | None = None) -> None:
         """A group's channel ranges over its rows."""
         self.scale, self.low = self.meta_rows(self.scale), self.meta_rows(self.low)
+        if encode.served(basis, self.scale, self.low):
+            encode.ranges(basis, meta, self.bits, self.scale, self.low)
+        else:
+            self.fresh_reference(meta, basis)
+
+    def fresh_reference(self, meta: int, basis: torch.Tensor) -> None:
+        """The torch expression of a record's ranges (what the kernel equals)."""
         low, high = basis.amin(dim=0), basis.amax(dim=0)  # [H, D]
         self.scale[meta] = ((high - low) / ((1 << self.bits) - 1)).to(META)
         self.low[meta] = low.to(META)
 
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        if encode.served(x, self.codes, self.scale, self.low):
+            at = torch.from_numpy(metas.astype(np.int64))
+            encode.channels(x, cells, at, self.bits, self.codes, self.scale, self.low)
+        else:
+            self.encode_reference(cells, x, metas)
+
+    def encode_reference(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
+        """The torch expression of the codes (what the kernel equals)."""
         levels = (1 << self.bits) - 1
         at = self.index(metas).long()
         scale = self.scale[at].float().clamp_min(torch.finfo(META).tiny)  # [n, H, D]

@@ -1,10 +1,11 @@
 """Encoders of the integer codecs in C++ (``csrc/encode.cpp``): rows to codes, written into
-the buffer's cells in one call.
+the buffer's cells in one call (int8; affine rows: int4 and KIVI's values; KIVI's keys: a
+record's channel ranges, then codes against them).
 
 A decode step that seals a sequence's oldest window rows encodes a few dozen rows per layer
 and K/V; as torch expressions that is ~20 small ops a call, and with sequences of different
 lengths some sequence seals on every other step. The kernels equal the torch expressions of
-``kvcache.codecs.ints`` bit for bit (tests/test_encode.py); ``KVCACHE_ENCODE=reference``
+``kvcache.codecs.ints`` and ``kvcache.codecs.kivi`` bit for bit (tests/test_encode.py); ``KVCACHE_ENCODE=reference``
 (or a tensor the kernels do not serve: not float32, not on the CPU) takes the torch path.
 """
 
@@ -48,4 +49,32 @@ def affine(
     and ``low`` [N, H, D/group] fp16 at ``cells`` [n]."""
     extension().encode_affine(
         x.contiguous(), cells.long().contiguous(), bits, group, codes, scale, low
+    )
+
+
+def ranges(x: torch.Tensor, meta: int, bits: int, scale: torch.Tensor, low: torch.Tensor) -> None:
+    """Record ``meta`` of ``scale`` and ``low`` [M, H, D] fp16: the per-channel range of rows
+    ``x`` [m, H, D] in ``bits``-bit steps, and its minimum."""
+    extension().range_channels(x.contiguous(), int(meta), bits, scale, low)
+
+
+def channels(
+    x: torch.Tensor,
+    cells: torch.Tensor,
+    metas: torch.Tensor,
+    bits: int,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor,
+) -> None:
+    """Rows ``x`` [n, H, D] coded against the ranges of their records ``metas`` [n] into the
+    packed ``codes`` [N, H, D*bits/8] at ``cells`` [n]."""
+    extension().encode_channels(
+        x.contiguous(),
+        cells.long().contiguous(),
+        metas.long().contiguous(),
+        bits,
+        codes,
+        scale,
+        low,
     )

@@ -659,6 +659,11 @@ void encode_int8(const at::Tensor& x, const at::Tensor& cells, at::Tensor& codes
                  at::Tensor& scale);
 void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, int64_t group,
                    at::Tensor& codes, at::Tensor& scale, at::Tensor& low);
+void range_channels(const at::Tensor& x, int64_t meta, int64_t bits, at::Tensor& scale,
+                    at::Tensor& low);
+void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& metas,
+                     int64_t bits, at::Tensor& codes, const at::Tensor& scale,
+                     const at::Tensor& low);
 // dense.cpp
 at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& windows, double scale);
@@ -675,5 +680,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit keys)");
   m.def("encode_int8", &kvk::encode_int8, "int8 codes and scales of rows, into their cells");
   m.def("encode_affine", &kvk::encode_affine, "affine codes, scales, minimums, into cells");
+  m.def("range_channels", &kvk::range_channels, "a record's channel ranges over its rows");
+  m.def("encode_channels", &kvk::encode_channels, "codes of rows against their records' ranges");
   m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
 }

@@ -9,6 +9,10 @@
 //   affine: per group of channels lo, hi = min, max; low = fp16(lo);
 //           scale = fp16((hi - low) / levels); q = clamp(round((x - low) / max(scale, tiny)),
 //           0, levels), packed little end first (kvcache.codecs.pack)
+//   channels (KIVI keys, src/kvcache/codecs/kivi.py): a record's per-channel range over its
+//           rows, lo, hi = min, max over rows; scale = fp16((hi - lo) / levels), low = fp16(lo);
+//           a row's codes against its record: q = clamp(round((x - low) / max(scale, tiny)),
+//           0, levels), packed as above
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
@@ -16,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace kvk {
 
@@ -120,6 +125,81 @@ void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, i
           for (int64_t k = 0; k < per; ++k) byte |= (uint32_t)q[j * per + k] << (bits * k);
           out[j] = (uint8_t)byte;
         }
+      }
+    }
+  });
+}
+
+// Record ``meta`` of scale and low fp16 [M, H, D]: the channel ranges of rows x [m, H, D]
+void range_channels(const at::Tensor& x, int64_t meta, int64_t bits, at::Tensor& scale,
+                    at::Tensor& low) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, "kvcache encode: channel codes of 1 to 8 bits");
+  const int64_t M = scale.size(0), H = scale.size(1), D = scale.size(2);
+  check_out(scale, at::kHalf, M, H, D, "scale");
+  check_out(low, at::kHalf, M, H, D, "low");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.is_contiguous() &&
+                  x.size(0) > 0 && x.size(1) == H && x.size(2) == D,
+              "kvcache encode: x must be a contiguous float32 [m > 0, ", H, ", ", D, "] tensor");
+  TORCH_CHECK(meta >= 0 && meta < M, "kvcache encode: record ", meta, " outside [0, ", M, ")");
+  const int64_t m = x.size(0), HD = H * D;
+  const float levels = (float)((1 << bits) - 1);
+  const float* xp = x.data_ptr<float>();
+  c10::Half* sp = scale.data_ptr<c10::Half>() + meta * HD;
+  c10::Half* lp = low.data_ptr<c10::Half>() + meta * HD;
+  std::vector<float> lo(xp, xp + HD), hi(xp, xp + HD);
+  for (int64_t r = 1; r < m; ++r)
+    for (int64_t i = 0; i < HD; ++i) {
+      lo[i] = std::min(lo[i], xp[r * HD + i]);
+      hi[i] = std::max(hi[i], xp[r * HD + i]);
+    }
+  for (int64_t i = 0; i < HD; ++i) {
+    to_half((hi[i] - lo[i]) / levels, sp + i);
+    to_half(lo[i], lp + i);
+  }
+}
+
+// Rows x [n, H, D] against their records metas [n] (scale, low fp16 [M, H, D]) into the
+// packed codes uint8 [N', H, D * bits / 8] of cells [n] (bits 1, 2, 4 or 8)
+void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& metas,
+                     int64_t bits, at::Tensor& codes, const at::Tensor& scale,
+                     const at::Tensor& low) {
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8,
+              "kvcache encode: channel codes of 1, 2, 4 or 8 bits");
+  const int64_t per = 8 / bits, rows = codes.size(0), H = codes.size(1);
+  const int64_t D = codes.size(2) * per, M = scale.size(0);
+  check_out(codes, at::kByte, rows, H, D / per, "codes");
+  check_out(scale, at::kHalf, M, H, D, "scale");
+  check_out(low, at::kHalf, M, H, D, "low");
+  const int64_t n = check_rows(x, cells, rows, H, D);
+  TORCH_CHECK(metas.scalar_type() == at::kLong && metas.dim() == 1 && metas.is_contiguous() &&
+                  metas.size(0) == n,
+              "kvcache encode: metas must be a contiguous int64 [n] tensor");
+  const int64_t* mp = metas.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(mp[i] >= 0 && mp[i] < M, "kvcache encode: record ", mp[i], " outside [0, ", M,
+                ")");
+  const float levels = (float)((1 << bits) - 1);
+  const float* xp = x.data_ptr<float>();
+  const int64_t* cp = cells.data_ptr<int64_t>();
+  uint8_t* qp = codes.data_ptr<uint8_t>();
+  const c10::Half* sp = scale.data_ptr<c10::Half>();
+  const c10::Half* lp = low.data_ptr<c10::Half>();
+  at::parallel_for(0, n * H, GRAIN, [&](int64_t begin, int64_t end) {
+    float q[8];
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = xp + r * D;
+      const int64_t rec = (mp[r / H] * H + r % H) * D;
+      uint8_t* out = qp + (cp[r / H] * H + r % H) * (D / per);
+      for (int64_t j = 0; j < D / per; ++j) {
+        for (int64_t k = 0; k < per; ++k) {
+          const int64_t i = j * per + k;
+          const float safe = std::max(static_cast<float>(sp[rec + i]), HALF_TINY);
+          q[k] = std::min(std::max(std::nearbyint((v[i] - static_cast<float>(lp[rec + i])) / safe),
+                                   0.f), levels);
+        }
+        uint32_t byte = 0;
+        for (int64_t k = 0; k < per; ++k) byte |= (uint32_t)q[k] << (bits * k);
+        out[j] = (uint8_t)byte;
       }
     }
   });
