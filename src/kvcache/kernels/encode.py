@@ -5,8 +5,9 @@ record's channel ranges, then codes against them).
 A decode step that seals a sequence's oldest window rows encodes a few dozen rows per layer
 and K/V; as torch expressions that is ~20 small ops a call, and with sequences of different
 lengths some sequence seals on every other step. The kernels equal the torch expressions of
-``kvcache.codecs.ints`` and ``kvcache.codecs.kivi`` bit for bit (tests/test_encode.py); ``KVCACHE_ENCODE=reference``
-(or a tensor the kernels do not serve: not float32, not on the CPU) takes the torch path.
+``kvcache.codecs.ints`` and ``kvcache.codecs.kivi`` bit for bit (tests/test_encode.py);
+``KVCACHE_ENCODE=reference`` (or a tensor the kernels do not serve: not float32, not on the
+CPU) takes the torch path.
 """
 
 from __future__ import annotations
