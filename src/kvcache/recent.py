@@ -58,9 +58,9 @@ class SealGroup:
     rows: np.ndarray  # [n] the forward's token (row of K/V) of each new cell (-1: old)
     basis_rows: np.ndarray  # [m] the same for ``basis``
 
-    @property
+    @cached_property
     def basis_source(self) -> RowSource:
-        """Where the rows of ``basis`` are read from."""
+        """Where the rows of ``basis`` are read from (built once for every layer)."""
         return RowSource.of(self.basis_slots, self.basis_rows)
 
 

@@ -34,20 +34,37 @@ float to_half(float v, c10::Half* out) {
   return static_cast<float>(*out);
 }
 
+// ids [n] int64 (cells or records), each in [0, bound)
+void check_ids(const at::Tensor& ids, int64_t n, int64_t bound, const char* name,
+               const char* each) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
+                  ids.size(0) == n,
+              "kvcache encode: ", name, " must be a contiguous int64 [n] tensor");
+  const int64_t* v = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(v[i] >= 0 && v[i] < bound, "kvcache encode: ", each, " ", v[i], " outside [0, ",
+                bound, ")");
+}
+
 // x [n, H, D] float32 and cells [n] int64 < rows checked; returns n
 int64_t check_rows(const at::Tensor& x, const at::Tensor& cells, int64_t rows, int64_t H,
                    int64_t D) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.is_contiguous() &&
                   x.size(1) == H && x.size(2) == D,
               "kvcache encode: x must be a contiguous float32 [n, ", H, ", ", D, "] tensor");
-  TORCH_CHECK(cells.scalar_type() == at::kLong && cells.dim() == 1 && cells.is_contiguous() &&
-                  cells.size(0) == x.size(0),
-              "kvcache encode: cells must be a contiguous int64 [n] tensor");
-  const int64_t* c = cells.data_ptr<int64_t>();
-  for (int64_t i = 0; i < cells.size(0); ++i)
-    TORCH_CHECK(c[i] >= 0 && c[i] < rows, "kvcache encode: cell ", c[i], " outside [0, ", rows,
-                ")");
+  check_ids(cells, x.size(0), rows, "cells", "cell");
   return x.size(0);
+}
+
+// codes q [count] (whole numbers < 2^bits, count a multiple of 8 / bits) packed little end
+// first into count * bits / 8 bytes (kvcache.codecs.pack)
+void pack_codes(const float* q, int64_t count, int64_t bits, uint8_t* out) {
+  const int64_t per = 8 / bits;
+  for (int64_t j = 0; j < count / per; ++j) {
+    uint32_t byte = 0;
+    for (int64_t k = 0; k < per; ++k) byte |= (uint32_t)q[j * per + k] << (bits * k);
+    out[j] = (uint8_t)byte;
+  }
 }
 
 void check_out(const at::Tensor& t, at::ScalarType type, int64_t rows, int64_t H, int64_t width,
@@ -119,12 +136,7 @@ void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, i
         const float safe = std::max(to_half((hi - lowf) / levels, sp + at_ * groups + g), HALF_TINY);
         for (int64_t i = 0; i < group; ++i)
           q[i] = std::min(std::max(std::nearbyint((v[i] - lowf) / safe), 0.f), levels);
-        uint8_t* out = qp + (at_ * D + g * group) / per;
-        for (int64_t j = 0; j < group / per; ++j) {
-          uint32_t byte = 0;
-          for (int64_t k = 0; k < per; ++k) byte |= (uint32_t)q[j * per + k] << (bits * k);
-          out[j] = (uint8_t)byte;
-        }
+        pack_codes(q, group, bits, qp + (at_ * D + g * group) / per);
       }
     }
   });
@@ -167,17 +179,13 @@ void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Ten
               "kvcache encode: channel codes of 1, 2, 4 or 8 bits");
   const int64_t per = 8 / bits, rows = codes.size(0), H = codes.size(1);
   const int64_t D = codes.size(2) * per, M = scale.size(0);
+  TORCH_CHECK(D <= 256, "kvcache encode: channel codes of at most 256 channels a head");
   check_out(codes, at::kByte, rows, H, D / per, "codes");
   check_out(scale, at::kHalf, M, H, D, "scale");
   check_out(low, at::kHalf, M, H, D, "low");
   const int64_t n = check_rows(x, cells, rows, H, D);
-  TORCH_CHECK(metas.scalar_type() == at::kLong && metas.dim() == 1 && metas.is_contiguous() &&
-                  metas.size(0) == n,
-              "kvcache encode: metas must be a contiguous int64 [n] tensor");
+  check_ids(metas, n, M, "metas", "record");
   const int64_t* mp = metas.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(mp[i] >= 0 && mp[i] < M, "kvcache encode: record ", mp[i], " outside [0, ", M,
-                ")");
   const float levels = (float)((1 << bits) - 1);
   const float* xp = x.data_ptr<float>();
   const int64_t* cp = cells.data_ptr<int64_t>();
@@ -185,22 +193,16 @@ void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Ten
   const c10::Half* sp = scale.data_ptr<c10::Half>();
   const c10::Half* lp = low.data_ptr<c10::Half>();
   at::parallel_for(0, n * H, GRAIN, [&](int64_t begin, int64_t end) {
-    float q[8];
+    float q[256];  // one row's codes (D <= 256, checked above)
     for (int64_t r = begin; r < end; ++r) {
       const float* v = xp + r * D;
       const int64_t rec = (mp[r / H] * H + r % H) * D;
-      uint8_t* out = qp + (cp[r / H] * H + r % H) * (D / per);
-      for (int64_t j = 0; j < D / per; ++j) {
-        for (int64_t k = 0; k < per; ++k) {
-          const int64_t i = j * per + k;
-          const float safe = std::max(static_cast<float>(sp[rec + i]), HALF_TINY);
-          q[k] = std::min(std::max(std::nearbyint((v[i] - static_cast<float>(lp[rec + i])) / safe),
-                                   0.f), levels);
-        }
-        uint32_t byte = 0;
-        for (int64_t k = 0; k < per; ++k) byte |= (uint32_t)q[k] << (bits * k);
-        out[j] = (uint8_t)byte;
+      for (int64_t i = 0; i < D; ++i) {
+        const float safe = std::max(static_cast<float>(sp[rec + i]), HALF_TINY);
+        const float lowf = static_cast<float>(lp[rec + i]);
+        q[i] = std::min(std::max(std::nearbyint((v[i] - lowf) / safe), 0.f), levels);
       }
+      pack_codes(q, D, bits, qp + (cp[r / H] * H + r % H) * (D / per));
     }
   });
 }
