@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.codecs.ints import AffineRowsCodec
+from kvcache.codecs.ints import AffineRowsCodec, Int8Codec
 from kvcache.kernels.attend import int16_steps
 
 
@@ -31,10 +31,10 @@ def stored_keys(cache, layer: int) -> torch.Tensor:
 
 
 def scoring_query(cache, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """The query ``cache.attention`` scores with: with 4-bit affine keys (int4) the kernels meet
-    the codes in int16 products, every row rounded to int16 steps (``int16_steps``); the
-    query as given otherwise."""
+    """The query ``cache.attention`` scores with: with 4-bit affine keys (int4) and int8 keys
+    the kernels meet the codes in int16 products, every row rounded to int16 steps
+    (``int16_steps``); the query as given otherwise."""
     codec = cache.key_codec
-    if isinstance(codec, AffineRowsCodec) and codec.bits == 4:
+    if isinstance(codec, Int8Codec) or (isinstance(codec, AffineRowsCodec) and codec.bits == 4):
         return int16_steps(q.float(), scale)
     return q

@@ -32,14 +32,14 @@ POLICIES = {
     "chunk": {"chunk": 96},
 }
 REL = 1e-5  # the kernels compute in float32 from the same codes the reference decodes
-ROUNDING = 5e-4  # what int4's int16 query steps may move the output (relative), at most
+ROUNDING = 5e-4  # what int16 query steps (int4, int8 keys) may move the output (relative)
 
 
 def kernel_error(cache: CausalCache, q, out, keys, values, mask, scale: float) -> float:
     """Largest |out - reference| over the largest |reference|, the reference a float64 softmax
     over the cache's own mask and decoded K/V, of the query the cache scores with (with 4-bit
-    affine keys rounded to int16 steps: ``scoring_query``), which must stay within ROUNDING of
-    the query as given."""
+    affine and int8 keys rounded to int16 steps: ``scoring_query``), which must stay within
+    ROUNDING of the query as given."""
     exact = grouped_attention(q.double(), keys.double(), values.double(), mask, scale)
     rounded = scoring_query(cache, q, scale)
     if rounded is q:
@@ -117,7 +117,7 @@ def test_turbo_keys_centred_without_a_rotary_frame_equal_the_reference(codec: st
     assert rec.worst < REL, f"{codec} without a shift: relative error {rec.worst:.2e}"
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int4", "kivi4", "turbo4"])
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "kivi4", "turbo4"])
 def test_every_segment_through_the_tile_path_or_the_kernel(
     codec: str, monkeypatch: pytest.MonkeyPatch
 ):
@@ -237,6 +237,11 @@ def test_the_kernel_rounds_queries_to_int16_steps_as_the_reference_does():
     assert torch.equal(
         q16[-1, (channel[:, None] == torch.arange(1, 8)).float().argmax(0)], half_even
     )
+    # int8 keys read the same steps in channel order (qk8_rows), D a multiple of 16
+    rounded8, q8, step8 = extension().query_steps16(q[:, :80], nibble_order=False)
+    assert torch.equal(rounded8, int16_steps(q[:, None, :80], 1.0)[:, 0])
+    assert torch.equal(q8.float() * step8[:, None], rounded8)
+    assert torch.equal(q8[-1, 1:8], half_even)
 
 
 def test_another_cpu_gets_its_own_kernel_build(monkeypatch: pytest.MonkeyPatch):

@@ -6,10 +6,10 @@ kernel computes partial softmax sums of the decode-sized segments from the store
 prompt-sized segments go through torch's fused CPU flash kernel over decoded tiles of at
 most ``TILE_CELLS`` cells, whose log-sum-exp makes their partial sums; a last pass merges
 every row's partial sums. Turbo values are summed in their rotated domain and rotated back
-once per output row. With 4-bit affine keys (int4) every row scores with its query rounded to
-int16 steps (``int16_steps``): the kernel meets the key codes in int16 products
-(csrc/tiles.h), and the prompt tiles use the same rounded query, so that a row's attention
-is one softmax whichever path computed its parts.
+once per output row. With 4-bit affine keys (int4) and int8 keys every row scores with its
+query rounded to int16 steps (``int16_steps``): the kernel meets the key codes in int16
+products (csrc/tiles.h), and the prompt tiles use the same rounded query, so that a row's
+attention is one softmax whichever path computed its parts.
 
     q [T, Hq, D] (query head hq reads KV head hq // G)  ->  out [T, Hq, D] float32
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.codecs.base import AFFINE_ROWS, Layout
+from kvcache.codecs.base import AFFINE_ROWS, INT8, Layout
 from kvcache.kernels.build import extension
 from kvcache.kernels.plan import AttentionPlan, Tile
 
@@ -52,6 +52,12 @@ def layout_args(layout: Layout, pre_rope: bool) -> tuple[list[torch.Tensor], lis
     return tensors, ints
 
 
+def int16_keys(kind: int, bits: int) -> bool:
+    """Whether keys of this codec kind are scored against queries in int16 steps (4-bit
+    affine codes and int8 codes: csrc/tiles.h, qk4_rows and qk8_rows)."""
+    return kind == INT8 or (kind == AFFINE_ROWS and bits == 4)
+
+
 def int16_steps(q: torch.Tensor, scale: float) -> torch.Tensor:
     """``q`` [T, Hq, D] float32 rounded so that each row of ``q * scale`` lies on steps of its
     max |q * scale| / 32767 (a channel moves by at most 1/65534 of the row's largest)."""
@@ -77,7 +83,7 @@ def attend(
     ext = extension()
     t, hq, d = q.shape
     q32 = q.to(torch.float32).contiguous()
-    if keys.kind == AFFINE_ROWS and keys.bits == 4 and plan.tiles:
+    if int16_keys(keys.kind, keys.bits) and plan.tiles:
         # the prompt tiles score with the kernel's rounded query (a decode-only call leaves
         # the rounding to the kernel: the same steps, without ~10 torch ops a layer)
         q32 = int16_steps(q32, scale)

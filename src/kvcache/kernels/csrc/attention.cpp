@@ -197,13 +197,16 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
       }
     }
   }
-  if (KVK_AVX2 && affine4_keys_direct(kr)) {  // 4-bit keys: the query rounded to int16 (for
-    const int64_t groups = kr.scale_head, width = D / groups;  // every tile), its group sums
+  // 4-bit affine and int8 keys: the query rounded to int16 steps (for every tile), in the
+  // order qk4_rows / qk8_rows read it; 4-bit keys also need its sums over each channel group
+  const bool keys4 = KVK_AVX2 && affine4_keys_direct(kr), keys8 = KVK_AVX2 && kr.kind == INT8;
+  if (keys4 || keys8) {
+    const int64_t groups = keys4 ? kr.scale_head : 0, width = keys4 ? D / groups : 0;
     w.qsum.resize(H * R * groups);
     w.q16.resize(H * R * D);
     w.qscale.resize(H * R);
     for (int64_t r = 0; r < H * R; ++r) {
-      w.qscale[r] = quantize_query16(w.q.data() + r * D, (int)D, w.q16.data() + r * D);
+      w.qscale[r] = quantize_query16(w.q.data() + r * D, (int)D, w.q16.data() + r * D, keys4);
       for (int64_t gr = 0; gr < groups; ++gr) {
         float qs = 0.f;
         for (int64_t i = gr * width; i < (gr + 1) * width; ++i) qs += w.q[r * D + i];
@@ -288,8 +291,10 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         const int64_t r0 = (h * ne + e) * G;
         float* sc0 = w.sc.data() + e * G * BLK;
         if (kd == Direct::INT8) {
-          qk_rows<Int8Rows>(w.q.data() + r0 * D, (int)G, w.kcodes.data(), ja, jb, (int)D, sc0, 0,
-                            -1, ls);
+#if KVK_AVX2
+          qk8_rows(w.q16.data() + r0 * D, w.qscale.data() + r0, (int)G, (int)D, w.kcodes.data(),
+                   ja, jb, sc0, ls);
+#endif
           for (int64_t g = 0; g < G; ++g)
             mul_rows(w.kscale.data() + ja, sc0 + g * BLK + ja, jb - ja);
         } else if (kd == Direct::KIVI4) {
@@ -623,12 +628,15 @@ at::Tensor gather(const at::Tensor& cells, const at::Tensor& pos,
   return out;
 }
 
-// quantize_query16 over rows q [R, D] float32 (D a multiple of 64), as a 4-bit key call
-// rounds its queries: the rounded rows, their int16 steps in the kernel's layout (tiles.h) and
-// each row's step. Tests hold its rounding to int16_steps' (attend.py), ties included.
-std::vector<at::Tensor> query_steps16(const at::Tensor& q) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.size(1) % 64 == 0,
-              "kvcache kernel: query_steps16 takes float32 rows [R, D], D a multiple of 64");
+// quantize_query16 over rows q [R, D] float32, as a 4-bit key call (nibble_order, D a multiple
+// of 64) or an int8 key call (channel order, D a multiple of 16) rounds its queries: the
+// rounded rows, their int16 steps in the kernel's layout (tiles.h) and each row's step. Tests
+// hold its rounding to int16_steps' (attend.py), ties included.
+std::vector<at::Tensor> query_steps16(const at::Tensor& q, bool nibble_order) {
+  const int64_t multiple = nibble_order ? 64 : 16;
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.size(1) % multiple == 0,
+              "kvcache kernel: query_steps16 takes float32 rows [R, D], D a multiple of ",
+              multiple);
   const int64_t R = q.size(0), D = q.size(1);
   at::Tensor rounded = q.contiguous().clone();
   at::Tensor q16 = at::empty({R, D}, at::TensorOptions().dtype(at::kShort));
@@ -636,7 +644,8 @@ std::vector<at::Tensor> query_steps16(const at::Tensor& q) {
   float* x = rounded.data_ptr<float>();
   int16_t* y = q16.data_ptr<int16_t>();
   float* s = step.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) s[r] = quantize_query16(x + r * D, (int)D, y + r * D);
+  for (int64_t r = 0; r < R; ++r)
+    s[r] = quantize_query16(x + r * D, (int)D, y + r * D, nibble_order);
   return {rounded, q16, step};
 }
 
@@ -677,7 +686,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather", &kvk::gather, "decoded rows of cells");
   m.def("linear_rows", &kvk::linear_rows, "x @ w^T (+ bias) for a few rows of x");
   m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
-  m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit keys)");
+  m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit, 8-bit keys)",
+        py::arg("q"), py::arg("nibble_order") = true);
   m.def("encode_int8", &kvk::encode_int8, "int8 codes and scales of rows, into their cells");
   m.def("encode_affine", &kvk::encode_affine, "affine codes, scales, minimums, into cells");
   m.def("range_channels", &kvk::range_channels, "a record's channel ranges over its rows");

@@ -397,9 +397,10 @@ inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, in
 //   q16 layout, per block b of 64 channels: q16[b * 64 + k * 16 + L * 8 + w] = channel
 //   b * 64 + 32 L + 4 w + k  (k < 4, L < 2 the 128-bit lane, w < 8 the 16-bit word)
 
-// Query row q [D] (D a multiple of 64) rounded in place; q16 [D] in the layout above; returns
-// qscale.
-inline float quantize_query16(float* q, int D, int16_t* q16) {
+// Query row q [D] rounded in place; q16 [D] its steps, in the layout above (nibble_order: D a
+// multiple of 64, for 4-bit keys) or in channel order (D a multiple of 16, for 8-bit keys:
+// qk8_rows); returns qscale.
+inline float quantize_query16(float* q, int D, int16_t* q16, bool nibble_order = true) {
   float top = 0.f;
   for (int c = 0; c < D; ++c) top = std::max(top, std::fabs(q[c]));
   if (top == 0.f) {
@@ -412,8 +413,9 @@ inline float quantize_query16(float* q, int D, int16_t* q16) {
       for (int L = 0; L < 2; ++L)
         for (int w = 0; w < 8; ++w) {
           const int c = b + 32 * L + 4 * w + k;
+          if (c >= D) continue;  // (channel order only: D a multiple of 16)
           const float steps = std::nearbyint(q[c] / qscale);  // as int16_steps (attend.py)
-          q16[b + k * 16 + L * 8 + w] = (int16_t)steps;
+          q16[nibble_order ? b + k * 16 + L * 8 + w : c] = (int16_t)steps;
           q[c] = steps * qscale;
         }
   return qscale;
@@ -430,27 +432,26 @@ inline void split_nibbles64(const uint8_t* row, __m256i x[4]) {
   x[3] = _mm256_srli_epi16(b, 12);
 }
 
+// acc + the int32 sums of adjacent int16 products of a and b (vpdpwssd where the CPU has
+// AVX-VNNI or AVX512-VNNI, else vpmaddwd and an add)
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)  // the same instruction, EVEX-coded
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // Per 128-bit lane L, int32 partial sums of sum_c code_c * q16_c over the block's 32 channels
 // 32 L .. 32 L + 31 (their total is the lane's horizontal sum)
 inline __m256i dot16x4(const __m256i x[4], const int16_t* q16) {
   const __m256i* q = reinterpret_cast<const __m256i*>(q16);
-#if defined(__AVXVNNI__)
   __m256i s = _mm256_madd_epi16(x[0], _mm256_loadu_si256(q));
-  s = _mm256_dpwssd_avx_epi32(s, x[1], _mm256_loadu_si256(q + 1));
-  s = _mm256_dpwssd_avx_epi32(s, x[2], _mm256_loadu_si256(q + 2));
-  return _mm256_dpwssd_avx_epi32(s, x[3], _mm256_loadu_si256(q + 3));
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)  // the same instruction, EVEX-coded
-  __m256i s = _mm256_madd_epi16(x[0], _mm256_loadu_si256(q));
-  s = _mm256_dpwssd_epi32(s, x[1], _mm256_loadu_si256(q + 1));
-  s = _mm256_dpwssd_epi32(s, x[2], _mm256_loadu_si256(q + 2));
-  return _mm256_dpwssd_epi32(s, x[3], _mm256_loadu_si256(q + 3));
-#else
-  const __m256i s0 = _mm256_madd_epi16(x[0], _mm256_loadu_si256(q));
-  const __m256i s1 = _mm256_madd_epi16(x[1], _mm256_loadu_si256(q + 1));
-  const __m256i s2 = _mm256_madd_epi16(x[2], _mm256_loadu_si256(q + 2));
-  const __m256i s3 = _mm256_madd_epi16(x[3], _mm256_loadu_si256(q + 3));
-  return _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
-#endif
+  s = dpwssd(s, x[1], _mm256_loadu_si256(q + 1));
+  s = dpwssd(s, x[2], _mm256_loadu_si256(q + 2));
+  return dpwssd(s, x[3], _mm256_loadu_si256(q + 3));
 }
 
 // Block b's part of the scores of NR rows against cells j .. j + 3: sums for lane 0 and lane 1
@@ -521,6 +522,69 @@ inline void qk4_rows(const int16_t* q16, const float* qscale, int rows, int D,
       case 1: qk4_tile<1>(q, qscale + r, D, k, ja, jb, scale, width, s, ls); break;
       case 2: qk4_tile<2>(q, qscale + r, D, k, ja, jb, scale, width, s, ls); break;
       default: qk4_tile<3>(q, qscale + r, D, k, ja, jb, scale, width, s, ls); break;
+    }
+  }
+}
+
+// ---- 8-bit key codes against int16 queries ---------------------------------------------
+// The int8 codes of 16 channels widened to int16 meet the query's steps (quantize_query16 in
+// channel order) in vpdpwssd: 16 products an instruction and no conversion to float per
+// channel (the float path took a widening, a conversion and an FMA per 8 channels and row).
+// Sums stay exact in int32 (|q16| <= 32767, |code| <= 127: 64 channels < 2^28).
+
+// Scores of NR rows against NC (4 or 1) cells from j (D a multiple of 16), times qscale
+template <int NR, int NC>
+inline void qk8_cells(const int16_t* q16, const float* qscale, int D, const int8_t* const* k,
+                      int j, float* sc, Steps& st) {
+  __m256i acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NC; ++i) acc[r][i] = _mm256_setzero_si256();
+  for (int c = 0; c < D; c += 16) {
+    st.step();
+    __m256i qv[NR];
+    for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_si256((const __m256i*)(q16 + r * D + c));
+    for (int i = 0; i < NC; ++i) {
+      const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(k[j + i] + c)));
+      for (int r = 0; r < NR; ++r) acc[r][i] = dpwssd(acc[r][i], x, qv[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    if constexpr (NC == 4) {
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]),
+                                          _mm256_hadd_epi32(acc[r][2], acc[r][3]));
+      const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      _mm_storeu_ps(sc + r * BLK + j, _mm_mul_ps(_mm_cvtepi32_ps(t), _mm_set1_ps(qscale[r])));
+    } else {
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc[r][0]),
+                                _mm256_extracti128_si256(acc[r][0], 1));
+      t = _mm_hadd_epi32(t, t);
+      t = _mm_hadd_epi32(t, t);
+      sc[r * BLK + j] = (float)_mm_cvtsi128_si32(t) * qscale[r];
+    }
+  }
+}
+
+// sc[r * BLK + j] = qscale[r] * sum_c q16[r][c] * k[j][c] for r < rows, j in [ja, jb): int8 key
+// rows k[j] (D channels, a multiple of 16), q16 rows in channel order (the caller applies the
+// keys' row scales)
+inline void qk8_rows(const int16_t* q16, const float* qscale, int rows, int D,
+                     const int8_t* const* k, int ja, int jb, float* sc, LineStream* ls = nullptr) {
+  Steps st(ls);
+  for (int r = 0; r < rows; r += 3) {
+    const int16_t* q = q16 + r * D;
+    const float* qs = qscale + r;
+    float* s = sc + r * BLK;
+    const int nr = rows - r < 3 ? rows - r : 3;
+    int j = ja;
+    for (; j + 4 <= jb; j += 4) {
+      if (nr == 1) qk8_cells<1, 4>(q, qs, D, k, j, s, st);
+      else if (nr == 2) qk8_cells<2, 4>(q, qs, D, k, j, s, st);
+      else qk8_cells<3, 4>(q, qs, D, k, j, s, st);
+    }
+    for (; j < jb; ++j) {
+      if (nr == 1) qk8_cells<1, 1>(q, qs, D, k, j, s, st);
+      else if (nr == 2) qk8_cells<2, 1>(q, qs, D, k, j, s, st);
+      else qk8_cells<3, 1>(q, qs, D, k, j, s, st);
     }
   }
 }
