@@ -530,7 +530,7 @@ inline void qk4_rows(const int16_t* q16, const float* qscale, int rows, int D,
 // The int8 codes of 16 channels widened to int16 meet the query's steps (quantize_query16 in
 // channel order) in vpdpwssd: 16 products an instruction and no conversion to float per
 // channel (the float path took a widening, a conversion and an FMA per 8 channels and row).
-// Sums stay exact in int32 (|q16| <= 32767, |code| <= 127: 64 channels < 2^28).
+// Sums stay exact in int32 (|q16| <= 32767, |code| <= 127: 64 channels < 2^28, 256 < 2^31).
 
 // Scores of NR rows against NC (4 or 1) cells from j (D a multiple of 16), times qscale
 template <int NR, int NC>
