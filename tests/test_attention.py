@@ -106,6 +106,24 @@ def test_kernel_equals_the_reference(codec: str, policy: str, monkeypatch: pytes
     assert rec.worst < REL, f"{codec} / {policy}: relative error {rec.worst:.2e}"
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "kivi4", "turbo4", "int8/int4"])
+def test_cells_almost_in_a_run_equal_the_reference(codec: str):
+    """The kernel reads runs of consecutive cells as spans (window slots, codes, scale
+    records): a history whose cells by position span a consecutive range but swap a pair in
+    every 16 (the first and last of each 16 and of each tile where a run would have them)
+    must be read cell by cell."""
+    perm = np.arange(320)
+    for k in range(0, 320, 16):
+        perm[[k + 5, k + 6]] = perm[[k + 6, k + 5]]
+    rec = Recorder(CausalCache(1024, max_sequences=2, shift=ROPE, codec=codec))
+    rec.forward(perm.tolist(), [0] * 320)  # cell i holds position perm[i]
+    order = rec.cache.cells_of(0)
+    assert order[-1] - order[0] == 319 and not np.array_equal(order, np.sort(order))
+    for step in range(3):
+        rec.forward([320 + step], [0])
+    assert rec.worst < REL, f"{codec}: relative error {rec.worst:.2e}"
+
+
 @pytest.mark.parametrize("codec", ["turbo4", "turbo3"])
 def test_turbo_keys_centred_without_a_rotary_frame_equal_the_reference(codec: str):
     """Without a shift turbo keys are stored after RoPE with a centre as it is: the kernel

@@ -774,9 +774,12 @@ struct FieldPick {
   int words;
 
   FieldPick(int64_t stride, int64_t inner) : words((int)(16 * stride)) {
-    alignas(64) int16_t at[32] = {};
-    for (int k = 0; k < 16; ++k) at[k] = (int16_t)(inner + k * stride);
-    idx = _mm512_load_si512(at);
+    // lane k: inner + k * stride, built in registers (a table written to the stack and read
+    // back as one vector waits on store forwarding)
+    const __m512i k = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 14,
+                                       13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    idx = _mm512_add_epi16(_mm512_set1_epi16((int16_t)inner),
+                           _mm512_mullo_epi16(k, _mm512_set1_epi16((int16_t)stride)));
     idx_hi = _mm512_sub_epi16(idx, _mm512_set1_epi16(64));
     upper = _mm512_cmpge_epi16_mask(idx, _mm512_set1_epi16(64)) & 0xffffu;
   }
@@ -826,9 +829,51 @@ void half_fields(const uint16_t* fields, int64_t rows, int64_t stride, int64_t i
 #endif
   for (; j < b; ++j) out[j] = half_to_float(base[cells[j] * stride]);
 }
+
+// Whether cells[0:n] are consecutive ids (cells[j] == cells[0] + j): a sequence's cells are
+// handed out in runs, and a run's window slots, codes and fields are contiguous.
+bool is_run(const int32_t* cells, int n) {
+  if (n == 0) return false;
+  const int32_t c0 = cells[0];
+  if ((int64_t)cells[n - 1] - c0 != n - 1) return false;
+  int j = 0;
+#if KVK_AVX512
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (; j + 16 <= n; j += 16)
+    if (_mm512_cmpneq_epi32_mask(_mm512_loadu_si512(cells + j),
+                                 _mm512_add_epi32(_mm512_set1_epi32(c0 + j), iota)))
+      return false;
+#endif
+  for (; j < n; ++j)
+    if (cells[j] != c0 + j) return false;
+  return true;
+}
+
+// For a run of n cells from c0: the length of its prefix whose cells are all in the fp16
+// window (open) or all not, the window slots read as a span
+int run_prefix(const Reader& r, int64_t c0, int n, bool open) {
+  const int inside = (int)std::clamp<int64_t>(r.window_len - c0, 0, n);  // cells with a slot entry
+  const int32_t* w = r.window + c0;
+  int j = 0;
+#if KVK_AVX512
+  const __m512i zero = _mm512_setzero_si512();
+  for (; j + 16 <= inside; j += 16) {
+    const __mmask16 in = _mm512_cmpge_epi32_mask(_mm512_loadu_si512(w + j), zero);
+    const __mmask16 differ = open ? (__mmask16)~in : in;
+    if (differ) return j + __builtin_ctz(differ);
+  }
+#endif
+  for (; j < inside; ++j)
+    if ((w[j] >= 0) != open) return j;
+  return open ? inside : n;  // past the slot map: no cell is open
+}
 }  // namespace
 
 bool all_codes(const Reader& r, const int32_t* cells, int n) {
+  if (n > 0 && is_run(cells, n))
+    return cells[n - 1] < r.rows &&
+           (r.window == nullptr ||
+            (cells[n - 1] < r.window_len && run_prefix(r, cells[0], n, false) == n));
   for (int j = 0; j < n; ++j) {
     const int64_t c = cells[j];
     if (c >= r.rows) return false;
@@ -840,6 +885,7 @@ bool all_codes(const Reader& r, const int32_t* cells, int n) {
 int uniform_prefix(const Reader& r, const int32_t* cells, int n) {
   if (r.window == nullptr || n == 0) return n;
   const bool first = in_window(r, cells[0]);
+  if (is_run(cells, n)) return run_prefix(r, cells[0], n, first);
   int j = 1;
   while (j < n && in_window(r, cells[j]) == first) ++j;
   return j;
@@ -941,6 +987,11 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 }
 
 void stream_rows(const Reader& r, const int32_t* cells, int n, LineStream& ls) {
+  if (n > 0 && cells[n - 1] < r.rows && is_run(cells, n) &&
+      (r.window == nullptr || run_prefix(r, cells[0], n, false) == n)) {  // one span of codes
+    ls.add(reinterpret_cast<const char*>(r.data + cells[0] * r.data_cell), n * r.data_cell);
+    return;
+  }
   for (int j = 0; j < n; ++j) {
     int64_t bytes = 0;
     const char* row = stored_row(r, cells[j], &bytes);
