@@ -852,7 +852,7 @@ bool is_run(const int32_t* cells, int n) {
 // For a run of n cells from c0: the length of its prefix whose cells are all in the fp16
 // window (open) or all not, the window slots read as a span
 int run_prefix(const Reader& r, int64_t c0, int n, bool open) {
-  const int inside = (int)std::clamp<int64_t>(r.window_len - c0, 0, n);  // cells with a slot entry
+  const int inside = (int)std::clamp<int64_t>(r.window_len - c0, 0, n);  // cells in the map
   const int32_t* w = r.window + c0;
   int j = 0;
 #if KVK_AVX512
