@@ -764,6 +764,25 @@ inline const char* stored_row(const Reader& r, int64_t c, int64_t* bytes) {
   return reinterpret_cast<const char*>(r.data + c * r.data_cell);
 }
 
+// Whether cells[0:n] are consecutive ids (cells[j] == cells[0] + j): a sequence's cells are
+// handed out in runs, and a run's window slots, codes and fields are contiguous.
+bool is_run(const int32_t* cells, int n) {
+  if (n == 0) return false;
+  const int32_t c0 = cells[0];
+  if ((int64_t)cells[n - 1] - c0 != n - 1) return false;
+  int j = 0;
+#if KVK_AVX512
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (; j + 16 <= n; j += 16)
+    if (_mm512_cmpneq_epi32_mask(_mm512_loadu_si512(cells + j),
+                                 _mm512_add_epi32(_mm512_set1_epi32(c0 + j), iota)))
+      return false;
+#endif
+  for (; j < n; ++j)
+    if (cells[j] != c0 + j) return false;
+  return true;
+}
+
 #if KVK_AVX512
 // The field `inner` of 16 consecutive records of `stride` <= 8 fp16 fields (16 * stride words
 // from p): the records loaded whole (masked loads: never past them) and the field picked out
@@ -813,40 +832,19 @@ void half_fields(const uint16_t* fields, int64_t rows, int64_t stride, int64_t i
     const __m512i vs = _mm512_set1_epi32((int)stride);
     const bool pick = stride <= 8;
     const FieldPick picker(pick ? stride : 1, pick ? inner : 0);
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (; j + 16 <= b; j += 16) {
-      const __m512i c = _mm512_loadu_si512(cells + j);
-      const __m512i run = _mm512_add_epi32(_mm512_set1_epi32(cells[j]), iota);
-      if (pick && !_mm512_cmpneq_epi32_mask(c, run)) {
+      if (pick && is_run(cells + j, 16)) {
         _mm512_storeu_ps(out + j, picker(fields + (int64_t)cells[j] * stride));
         continue;
       }
-      __m512i d = _mm512_i32gather_epi32(_mm512_mullo_epi32(c, vs), words, 2);
+      const __m512i at = _mm512_mullo_epi32(_mm512_loadu_si512(cells + j), vs);
+      __m512i d = _mm512_i32gather_epi32(at, words, 2);
       if (last) d = _mm512_srli_epi32(d, 16);
       _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d)));
     }
   }
 #endif
   for (; j < b; ++j) out[j] = half_to_float(base[cells[j] * stride]);
-}
-
-// Whether cells[0:n] are consecutive ids (cells[j] == cells[0] + j): a sequence's cells are
-// handed out in runs, and a run's window slots, codes and fields are contiguous.
-bool is_run(const int32_t* cells, int n) {
-  if (n == 0) return false;
-  const int32_t c0 = cells[0];
-  if ((int64_t)cells[n - 1] - c0 != n - 1) return false;
-  int j = 0;
-#if KVK_AVX512
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (; j + 16 <= n; j += 16)
-    if (_mm512_cmpneq_epi32_mask(_mm512_loadu_si512(cells + j),
-                                 _mm512_add_epi32(_mm512_set1_epi32(c0 + j), iota)))
-      return false;
-#endif
-  for (; j < n; ++j)
-    if (cells[j] != c0 + j) return false;
-  return true;
 }
 
 // For a run of n cells from c0: the length of its prefix whose cells are all in the fp16
@@ -867,13 +865,17 @@ int run_prefix(const Reader& r, int64_t c0, int n, bool open) {
     if ((w[j] >= 0) != open) return j;
   return open ? inside : n;  // past the slot map: no cell is open
 }
+
+// Whether every cell of the run cells[0:n] (is_run) has its row in the codes
+bool run_in_codes(const Reader& r, const int32_t* cells, int n) {
+  return cells[n - 1] < r.rows &&
+         (r.window == nullptr ||
+          (cells[n - 1] < r.window_len && run_prefix(r, cells[0], n, false) == n));
+}
 }  // namespace
 
 bool all_codes(const Reader& r, const int32_t* cells, int n) {
-  if (n > 0 && is_run(cells, n))
-    return cells[n - 1] < r.rows &&
-           (r.window == nullptr ||
-            (cells[n - 1] < r.window_len && run_prefix(r, cells[0], n, false) == n));
+  if (is_run(cells, n)) return run_in_codes(r, cells, n);
   for (int j = 0; j < n; ++j) {
     const int64_t c = cells[j];
     if (c >= r.rows) return false;
@@ -987,8 +989,7 @@ float touch(const Reader& r, const int32_t* cells, int n) {
 }
 
 void stream_rows(const Reader& r, const int32_t* cells, int n, LineStream& ls) {
-  if (n > 0 && cells[n - 1] < r.rows && is_run(cells, n) &&
-      (r.window == nullptr || run_prefix(r, cells[0], n, false) == n)) {  // one span of codes
+  if (is_run(cells, n) && run_in_codes(r, cells, n)) {  // one span of codes
     ls.add(reinterpret_cast<const char*>(r.data + cells[0] * r.data_cell), n * r.data_cell);
     return;
   }
