@@ -171,9 +171,6 @@ struct Vec16 {
   }
   static float sum(V a) { return _mm512_reduce_add_ps(a); }
 };
-using Vec = Vec16;  // the widest the CPU has
-#else
-using Vec = Vec8;
 #endif
 
 template <int NR, int NC, typename R>
@@ -378,11 +375,13 @@ inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, in
   }
 }
 
-// sc[r * BLK + j] = <q[r], rotated key j> for r < rows, j in [ja, jb) (D a multiple of 16)
+// sc[r * BLK + j] = <q[r], rotated key j> for r < rows, j in [ja, jb) (D a multiple of 16).
+// 8 channels a step even where the CPU has AVX-512: the 16-wide loop (Vec16) took 1.07-1.14x
+// the time of this one at 16 x 1k and 1.19x at 1 x 7.5k (cache.attention, kivi4, builds taking
+// turns; one thread here issues 512-bit FMAs at ~0.55x the rate of 256-bit ones)
 inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
                          float* sc, LineStream* ls) {
-  if (D % (2 * Vec::W) == 0) qk_kivi_tile<Vec>(q, rows, t, ja, jb, D, sc, ls);
-  else qk_kivi_tile<Vec8>(q, rows, t, ja, jb, D, sc, ls);
+  qk_kivi_tile<Vec8>(q, rows, t, ja, jb, D, sc, ls);
 }
 #endif
 
