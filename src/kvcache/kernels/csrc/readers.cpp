@@ -657,6 +657,10 @@ void turbo_unrotate(const float* signs, float* y, int64_t P) {
   for (int64_t i = 0; i < P; ++i) y[i] *= norm * signs[i];
 }
 
+namespace {
+bool is_run(const int32_t* cells, int n);  // below: cells[0:n] consecutive
+}  // namespace
+
 bool turbo_keys_direct(const Reader& r) {
   return KVK_AVX2 && r.kind == TURBO && !r.rotated && !r.pre_rope && r.D % 64 == 0 &&
          r.data_head * 8 == r.D * r.bits;  // P == D: no padding
@@ -691,9 +695,21 @@ void turbo_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t*
   turbo_values(r, h, cells, a, b, t);  // rows, norms, levels
   if (!r.centre_rope) return;
   const int64_t D = r.D, half = D / 2;
-  auto shares = [&](int j) { return j > a && r.meta_of[cells[j]] == r.meta_of[cells[j - 1]]; };
-  int runs = 0;  // runs of cells sharing a record: one A | B block each
-  for (int j = a; j < b; ++j) runs += !shares(j);
+  // the common case first: a run of cells (a sequence's) over one record, its record ids a
+  // span compared at once, not cell by cell
+  bool one = b > a && is_run(cells + a, b - a);
+  if (one) {
+    const int32_t* ids = r.meta_of + cells[a];
+    int32_t differ = 0;
+    for (int k = 1; k < b - a; ++k) differ |= ids[k] ^ ids[0];
+    one = differ == 0;
+  }
+  auto shares = [&](int j) {
+    return j > a && (one || r.meta_of[cells[j]] == r.meta_of[cells[j - 1]]);
+  };
+  int runs = one ? 1 : 0;  // runs of cells sharing a record: one A | B block each
+  if (!one)
+    for (int j = a; j < b; ++j) runs += !shares(j);
   t.abs.resize((size_t)runs * rows * D);
   Record centre;
   float* block = t.abs.data();
