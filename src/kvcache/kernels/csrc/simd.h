@@ -159,28 +159,6 @@ inline float row_max(const float* x, int n, float init) {
   return m;
 }
 
-// The 4-bit codes of a D-channel row (two a byte, low nibble first) as D bytes in channel
-// order (D a multiple of 16): the tile math then reads them as int8 rows, 2 instructions per
-// 8 channels instead of the 5 that isolating nibbles in 32-bit lanes takes.
-inline void unpack_nibbles(const uint8_t* src, int D, uint8_t* dst) {
-  int c = 0;
-#if KVK_AVX2
-  const __m128i m = _mm_set1_epi8(15);
-  for (; c + 32 <= D; c += 32) {
-    const __m128i b = _mm_loadu_si128((const __m128i*)(src + c / 2));
-    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    _mm_storeu_si128((__m128i*)(dst + c), _mm_unpacklo_epi8(lo, hi));
-    _mm_storeu_si128((__m128i*)(dst + c + 16), _mm_unpackhi_epi8(lo, hi));
-  }
-  for (; c + 16 <= D; c += 16) {
-    const __m128i b = _mm_loadl_epi64((const __m128i*)(src + c / 2));
-    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    _mm_storeu_si128((__m128i*)(dst + c), _mm_unpacklo_epi8(lo, hi));
-  }
-#endif
-  for (; c < D; ++c) dst[c] = (uint8_t)((src[c / 2] >> (4 * (c % 2))) & 15);
-}
-
 // y[0:n] *= x[0:n]
 inline void mul_rows(const float* x, float* y, int n) {
   int i = 0;

@@ -109,6 +109,14 @@ struct Int8Rows {  // int8 codes, used as they are: the caller applies each row'
   static float at(const T* row, int c) { return (float)row[c]; }
 };
 
+struct NibbleRows {  // 4-bit codes, two a byte (channel 2i in byte i's low nibble), as they are
+  using T = uint8_t;
+#if KVK_AVX2
+  static __m256 load8(const T* row, int c) { return _mm256_cvtepi32_ps(nibbles8(row, c)); }
+#endif
+  static float at(const T* row, int c) { return (float)((row[c / 2] >> (4 * (c % 2))) & 15); }
+};
+
 struct HalfRows {  // fp16 rows (fp16 storage or a recent window), converted as loaded
   using T = uint16_t;
 #if KVK_AVX2
