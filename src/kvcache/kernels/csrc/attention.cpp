@@ -130,7 +130,7 @@ void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int 
 
 // Values of head h from 4-bit affine codes (x = code * scale + low per group of channels):
 // per group, the weights times the cells' scales through the tile math (the packed codes read
-// as they are, NibbleRows: a staged copy a code a byte measured ~5 % slower), plus the weighted
+// as they are, NibbleRows: a staged copy a code a byte measured 2-5 % slower), plus the weighted
 // sum of the cells' minimums.
 void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, int b,
                     int64_t ne, int64_t G, int64_t Dv, Scratch& w, LineStream* ls) {
