@@ -707,9 +707,8 @@ void turbo_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t*
   auto shares = [&](int j) {
     return j > a && (one || r.meta_of[cells[j]] == r.meta_of[cells[j - 1]]);
   };
-  int runs = one ? 1 : 0;  // runs of cells sharing a record: one A | B block each
-  if (!one)
-    for (int j = a; j < b; ++j) runs += !shares(j);
+  int runs = 0;  // runs of cells sharing a record: one A | B block each
+  for (int j = a; j < b; ++j) runs += !shares(j);
   t.abs.resize((size_t)runs * rows * D);
   Record centre;
   float* block = t.abs.data();

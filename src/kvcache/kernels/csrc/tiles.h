@@ -135,8 +135,9 @@ inline __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 // Vector traits for the kernels written once for both widths: 8 floats (AVX2), 16 (AVX-512).
-// nibbles(): the 4-bit codes of channels [c, c + W) of a packed row (two a byte, low nibble
-// first) as floats, never read past the row.
+// Vec8::nibbles(): the 4-bit codes of channels [c, c + 8) of a packed row (two a byte, low
+// nibble first) as floats, never read past the row (KIVI's keys; turbo's 16-wide kernels
+// unpack their own codes).
 struct Vec8 {
   using V = __m256;
   static constexpr int W = 8;
@@ -165,12 +166,6 @@ struct Vec16 {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
   static void store(float* x, V v) { _mm512_storeu_ps(x, v); }
-  static V nibbles(const uint8_t* row, int64_t c) {
-    // 8 bytes -> low and high nibbles interleaved into 16 bytes -> 16 int32
-    const __m128i b = _mm_loadl_epi64((const __m128i*)(row + c / 2)), m = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
-  }
   static __m128 sums4(V a0, V a1, V a2, V a3) {
     auto fold = [](V v) {
       return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
