@@ -544,7 +544,7 @@ struct TurboVec : Vec8 {
 #if KVK_AVX2
 using TV = TurboVec;
 
-// Scores of NR query rows against NC (4 or 1) cells from j: per step, the levels of W codes
+// Scores of NR query rows against NC (kCells or 1) cells from j: per step, the levels of W codes
 // of each half of the row times the cell's norm meet the rotated query rows, and (CENTRE) the
 // A | B blocks meet the cos | sin rows; the next tile fetched one step per 16 channels
 template <int BITS, int NR, int NC, bool CENTRE>
@@ -576,39 +576,37 @@ inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& 
       }
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    if constexpr (NC == 4) {
-      _mm_storeu_ps(sc + r * BLK + j, TV::sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-    } else {
-      sc[r * BLK + j] = TV::sum(acc[r][0]);
-    }
-  }
+  for (int r = 0; r < NR; ++r) store_sums<TV, NC>(acc[r], sc + r * BLK + j);
 }
 
-// acc[r] += sum_j p[r][j] * levels of row j, for NR rows, 4 * W channels from c0 in registers;
-// the next tile fetched one step per two cells of 64 channels
+// Column registers of pv_turbo_cols: 4 (NR x 4 accumulators) with AVX-512's 32 vector
+// registers, 2 with AVX2's 16
+constexpr int kPvRegs = KVK_AVX512 ? 4 : 2;
+
+// acc[r] += sum_j p[r][j] * levels of row j, for NR rows, kPvRegs * W channels from c0 in
+// registers; the next tile fetched one step per two cells of 64 channels
 template <int BITS, int NR>
 inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int jb, int c0,
                           float* acc, LineStream* ls) {
   Steps st(ls);
   const int width = D * BITS / 8;
-  constexpr int every = 64 / (4 * TV::W) * 2 - 1;  // 64 channels: every other cell
-  TV::V a[NR][4];
+  constexpr int every = 64 / (kPvRegs * TV::W) * 2 - 1;  // 64 channels: every other cell
+  TV::V a[NR][kPvRegs];
   for (int r = 0; r < NR; ++r)
-    for (int k = 0; k < 4; ++k) a[r][k] = TV::load(acc + r * D + c0 + TV::W * k);
+    for (int k = 0; k < kPvRegs; ++k) a[r][k] = TV::load(acc + r * D + c0 + TV::W * k);
   for (int j = ja; j < jb; ++j) {
     if ((j & every) == 0) st.step();
     TV::V pv[NR];
     for (int r = 0; r < NR; ++r) pv[r] = TV::set1(p[r * BLK + j]);
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < kPvRegs; ++k) {
       const TV::V lv = TV::levels<BITS>(t.table, t.rows[j], c0 + TV::W * k, width);
       for (int r = 0; r < NR; ++r) a[r][k] = TV::fma(pv[r], lv, a[r][k]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int k = 0; k < 4; ++k) TV::store(acc + r * D + c0 + TV::W * k, a[r][k]);
+    for (int k = 0; k < kPvRegs; ++k) TV::store(acc + r * D + c0 + TV::W * k, a[r][k]);
 }
-constexpr int kPvCols = 4 * TurboVec::W;
+constexpr int kPvCols = kPvRegs * TurboVec::W;
 
 template <int BITS>
 void pv_turbo_tile(const float* p, int rows, int D, const TurboRows& t, int ja, int jb,
@@ -634,10 +632,10 @@ void qk_turbo_tile(const float* qrot, int rows, int D, int row0, const TurboRows
     float* s = sc + r * BLK;
     const int nr = rows - r < 3 ? rows - r : 3, r0 = row0 + r;
     int j = ja;
-    for (; j + 4 <= jb; j += 4) {
-      if (nr == 1) qk_turbo_cells<BITS, 1, 4, CENTRE>(qr, D, r0, t, j, s, st);
-      else if (nr == 2) qk_turbo_cells<BITS, 2, 4, CENTRE>(qr, D, r0, t, j, s, st);
-      else qk_turbo_cells<BITS, 3, 4, CENTRE>(qr, D, r0, t, j, s, st);
+    for (; j + kCells <= jb; j += kCells) {
+      if (nr == 1) qk_turbo_cells<BITS, 1, kCells, CENTRE>(qr, D, r0, t, j, s, st);
+      else if (nr == 2) qk_turbo_cells<BITS, 2, kCells, CENTRE>(qr, D, r0, t, j, s, st);
+      else qk_turbo_cells<BITS, 3, kCells, CENTRE>(qr, D, r0, t, j, s, st);
     }
     for (; j < jb; ++j) {
       if (nr == 1) qk_turbo_cells<BITS, 1, 1, CENTRE>(qr, D, r0, t, j, s, st);
@@ -792,6 +790,13 @@ bool is_run(const int32_t* cells, int n) {
     if (_mm512_cmpneq_epi32_mask(_mm512_loadu_si512(cells + j),
                                  _mm512_add_epi32(_mm512_set1_epi32(c0 + j), iota)))
       return false;
+#elif KVK_AVX2
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; j + 8 <= n; j += 8) {
+    const __m256i want = _mm256_add_epi32(_mm256_set1_epi32(c0 + j), iota);
+    const __m256i got = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cells + j));
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(got, want)) != -1) return false;
+  }
 #endif
   for (; j < n; ++j)
     if (cells[j] != c0 + j) return false;
@@ -835,7 +840,8 @@ struct FieldPick {
 // consecutive cells (a sequence's cells are handed out in runs) read their records whole
 // (FieldPick); other cells a gather of the 32 bits holding the field and its neighbour in the
 // same record (the field before it for a record's last field), so that no read leaves the
-// array; a scalar tail.
+// array. With AVX2 only, that gather for every cell, 8 a step (cell by cell, affine4_rows took
+// 12 % of an int4 call on a Zen 3 VM); a scalar tail.
 void half_fields(const uint16_t* fields, int64_t rows, int64_t stride, int64_t inner,
                  const int32_t* cells, int a, int b, float* out) {
   const uint16_t* base = fields + inner;
@@ -858,6 +864,21 @@ void half_fields(const uint16_t* fields, int64_t rows, int64_t stride, int64_t i
       _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d)));
     }
   }
+#elif KVK_AVX2
+  if (stride >= 2 && rows * stride < (int64_t{1} << 31)) {  // the same gather, 8 cells a step
+    const bool last = inner + 1 == stride;
+    const int* words = reinterpret_cast<const int*>(last ? base - 1 : base);
+    const __m256i vs = _mm256_set1_epi32((int)stride), low16 = _mm256_set1_epi32(0xffff);
+    for (; j + 8 <= b; j += 8) {
+      const __m256i at = _mm256_mullo_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cells + j)), vs);
+      __m256i d = _mm256_i32gather_epi32(words, at, 2);
+      d = last ? _mm256_srli_epi32(d, 16) : _mm256_and_si256(d, low16);
+      const __m128i h =
+          _mm_packus_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+      _mm256_storeu_ps(out + j, _mm256_cvtph_ps(h));
+    }
+  }
 #endif
   for (; j < b; ++j) out[j] = half_to_float(base[cells[j] * stride]);
 }
@@ -873,6 +894,15 @@ int run_prefix(const Reader& r, int64_t c0, int n, bool open) {
   for (; j + 16 <= inside; j += 16) {
     const __mmask16 in = _mm512_cmpge_epi32_mask(_mm512_loadu_si512(w + j), zero);
     const __mmask16 differ = open ? (__mmask16)~in : in;
+    if (differ) return j + __builtin_ctz(differ);
+  }
+#elif KVK_AVX2
+  const __m256i none = _mm256_set1_epi32(-1);
+  for (; j + 8 <= inside; j += 8) {
+    const __m256i slots = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j));
+    const unsigned in =
+        (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(slots, none)));
+    const unsigned differ = (open ? ~in : in) & 0xffu;
     if (differ) return j + __builtin_ctz(differ);
   }
 #endif

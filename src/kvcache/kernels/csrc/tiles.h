@@ -91,8 +91,10 @@ struct Steps {
 
 inline void LineStream::step() { Steps(this).step(); }
 
-// Row kinds the tile math reads: 8 channels from c of a row as floats, in registers.
+// Row kinds the tile math reads: 8 channels from c of a row as floats, in registers; consts:
+// the vector registers load8 keeps constants in.
 struct FloatRows {  // float32 rows (storage or a decoded tile)
+  static constexpr int consts = 0;
   using T = float;
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) { return _mm256_loadu_ps(row + c); }
@@ -100,6 +102,7 @@ struct FloatRows {  // float32 rows (storage or a decoded tile)
   static float at(const T* row, int c) { return row[c]; }
 };
 struct Int8Rows {  // int8 codes, used as they are: the caller applies each row's scale
+  static constexpr int consts = 0;
   using T = int8_t;
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) {
@@ -111,6 +114,7 @@ struct Int8Rows {  // int8 codes, used as they are: the caller applies each row'
 
 struct NibbleRows {  // 4-bit codes, two a byte (channel 2i in byte i's low nibble), as they are
   using T = uint8_t;
+  static constexpr int consts = 2;  // nibbles8's shifts and mask
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) { return _mm256_cvtepi32_ps(nibbles8(row, c)); }
 #endif
@@ -118,6 +122,7 @@ struct NibbleRows {  // 4-bit codes, two a byte (channel 2i in byte i's low nibb
 };
 
 struct HalfRows {  // fp16 rows (fp16 storage or a recent window), converted as loaded
+  static constexpr int consts = 0;
   using T = uint16_t;
 #if KVK_AVX2
   static __m256 load8(const T* row, int c) {
@@ -154,6 +159,21 @@ struct Vec8 {
   static __m128 sums4(V a0, V a1, V a2, V a3) { return kvk::sums4(a0, a1, a2, a3); }
   static float sum(V a) { return hsum8(a); }
 };
+
+// Cells a register block of the fused decoders (KIVI, turbo) scores at once: 4 where AVX-512
+// gives 32 vector registers, 2 with AVX2's 16 (3 rows x 4 cells of accumulators beside the
+// decoder's registers spilled to the stack: 195 stack accesses in turbo's block)
+constexpr int kCells = KVK_AVX512 ? 4 : 2;
+
+// out[0:NC] = the sums of acc[0:NC] (NC 4: reduced together)
+template <typename V, int NC>
+inline void store_sums(const typename V::V* acc, float* out) {
+  if constexpr (NC == 4) {
+    _mm_storeu_ps(out, V::sums4(acc[0], acc[1], acc[2], acc[3]));
+  } else {
+    for (int c = 0; c < NC; ++c) out[c] = V::sum(acc[c]);
+  }
+}
 
 #if KVK_AVX512
 struct Vec16 {
@@ -270,9 +290,10 @@ template <int NR, typename R>
 inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int jb, int D,
                     int c0, int c1, float* acc, LineStream* ls) {
 #if KVK_AVX2
-  // 12 (8) accumulators: 16 registers with the rest (a row kind that kept constants in
-  // registers spilled 12 to the stack: the store-reload chain cost ~15 % of a call)
-  constexpr int NV = NR <= 3 ? 4 : 2;
+  // 12 (8) accumulators: 16 registers with the rest. A row kind that keeps constants in
+  // registers (NibbleRows) spills two of 12 to the stack where only 16 vector registers exist
+  // (AVX2 without AVX-512's 32): the store-reload chain cost ~15 % of a call; 6 there.
+  constexpr int NV = NR <= 3 && (KVK_AVX512 || R::consts == 0) ? 4 : 2;
   int c = c0;
   for (; c + 8 * NV <= c1; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc, ls);
   for (; c < c1; c += 16) pv_cols<NR, 2, R>(p, v, ja, jb, D, c, acc, ls);
@@ -327,7 +348,7 @@ inline void kivi_rotated(const uint8_t* row, const float* a, const float* b, con
   *r2 = V::fma(x1, sv, V::mul(x2, cv));
 }
 
-// Scores of NR <= 3 rows against NC (4 or 1) cells from j, W channels of each half a step
+// Scores of NR <= 3 rows against NC (kCells or 1) cells from j, W channels of each half a step
 template <typename V, int NR, int NC>
 inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float* sc,
                           LineStream* ls) {
@@ -348,13 +369,7 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
       }
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    if constexpr (NC == 4) {
-      _mm_storeu_ps(sc + r * BLK + j, V::sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-    } else {
-      sc[r * BLK + j] = V::sum(acc[r][0]);
-    }
-  }
+  for (int r = 0; r < NR; ++r) store_sums<V, NC>(acc[r], sc + r * BLK + j);
 }
 
 template <typename V>
@@ -365,10 +380,10 @@ inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, in
     float* s = sc + r * BLK;
     const int nr = rows - r < 3 ? rows - r : 3;
     int j = ja;
-    for (; j + 4 <= jb; j += 4) {
-      if (nr == 1) qk_kivi_cells<V, 1, 4>(qr, t, j, D, s, ls);
-      else if (nr == 2) qk_kivi_cells<V, 2, 4>(qr, t, j, D, s, ls);
-      else qk_kivi_cells<V, 3, 4>(qr, t, j, D, s, ls);
+    for (; j + kCells <= jb; j += kCells) {
+      if (nr == 1) qk_kivi_cells<V, 1, kCells>(qr, t, j, D, s, ls);
+      else if (nr == 2) qk_kivi_cells<V, 2, kCells>(qr, t, j, D, s, ls);
+      else qk_kivi_cells<V, 3, kCells>(qr, t, j, D, s, ls);
     }
     for (; j < jb; ++j) {
       if (nr == 1) qk_kivi_cells<V, 1, 1>(qr, t, j, D, s, ls);
