@@ -112,3 +112,46 @@ def test_bad_bias_is_refused_by_the_kernel() -> None:
         ext.linear_rows(x, w, torch.randn(4))
     with pytest.raises(RuntimeError, match="multiple of 8"):
         ext.linear_rows(x[:, :12].contiguous(), w[:, :12].contiguous(), torch.empty(0))
+
+
+def _rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("k", [8, 64, 576])
+def test_rms_norm_equals_float64_reference(k: int) -> None:
+    """The kernel's RMSNorm against float64, within float32 rounding of a K-long sum of
+    squares (relative K * 2^-24 of each output, and a few roundings more), on 2-D and 3-D
+    inputs, tiny and large rows, and as many rows as a prompt chunk."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(k, generator=g)
+    bound = (k + 8) * 2.0**-24
+    for shape in ((1, k), (3, k), (16, k), (2, 5, k), (300, k)):
+        for scale in (1e-3, 1.0, 50.0):
+            x = torch.randn(*shape, generator=g) * scale
+            got = L.rms_norm(x, w, 1e-5)
+            assert got.shape == x.shape and got.dtype == torch.float32
+            ref = _rms_reference(x, w, 1e-5)
+            err = (got.double() - ref).abs()
+            assert (err <= bound * ref.abs() + 1e-30).all(), (shape, scale, float(err.max()))
+            torch.testing.assert_close(
+                got, F.rms_norm(x, (k,), w, 1e-5), rtol=2 * bound, atol=1e-30
+            )
+
+
+def test_rms_norm_hands_the_rest_to_torch() -> None:
+    """float64, K not a multiple of 8, and autograd inputs get F.rms_norm itself."""
+    g = torch.Generator().manual_seed(7)
+    x, w = (
+        torch.randn(4, 64, generator=g, dtype=torch.float64),
+        torch.randn(64, dtype=torch.float64),
+    )
+    assert torch.equal(L.rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6))
+    x, w = torch.randn(4, 60, generator=g), torch.randn(60, generator=g)
+    assert torch.equal(L.rms_norm(x, w, 1e-6), F.rms_norm(x, (60,), w, 1e-6))
+    x = torch.randn(2, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, generator=g)
+    y = L.rms_norm(x, w, 1e-6)
+    y.sum().backward()
+    assert x.grad is not None

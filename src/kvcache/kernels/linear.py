@@ -1,4 +1,4 @@
-"""Linear layers of decode steps: a few rows against a large weight, read once.
+"""Linear layers of decode steps: a few rows against a large weight, read once; and RMSNorm.
 
 A decode step multiplies one row per sequence by every weight matrix. torch's CPU GEMM handles
 that shape poorly on this machine class (AVX2, no AMX): 4-16 rows against the 80 MB Whisper or
@@ -9,6 +9,9 @@ row once for all of them; larger inputs (prompts, encoders) and everything it do
 
 The kernel's outputs do not depend on the rows beside them: a sequence decoded in a batch of
 16 gets the bits it gets alone (torch's GEMV for one row and GEMM for several round apart).
+
+``rms_norm`` is ``F.rms_norm`` over the last dim in one pass a row (``csrc/linear.cpp``):
+torch's is a chain of small ops, ~100 us a call in a SmolLM2 decode step, 61 calls a step.
 """
 
 from __future__ import annotations
@@ -60,3 +63,22 @@ def add_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
     if served(x, weight):
         return residual + _kernel(x, weight, None)
     return torch.addmm(residual, x, weight.t())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (K,), weight, eps)`` for x [..., K], weight [K]: the C++ kernel for
+    float32 CPU tensors with K a multiple of 8 (no autograd), else torch's."""
+    k = x.shape[-1]
+    if (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.shape == (k,)
+        and k % 8 == 0
+        and x.numel() > 0
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        y = extension().rms_norm_rows(x.reshape(-1, k).contiguous(), weight.contiguous(), eps)
+        return y.view(x.shape)
+    return F.rms_norm(x, (k,), weight, eps)

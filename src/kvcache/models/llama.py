@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
-from kvcache.kernels.linear import add_linear, linear
+from kvcache.kernels.linear import add_linear, linear, rms_norm
 from kvcache.kernels.reference import grouped_attention
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
@@ -112,11 +112,6 @@ class LlamaWeights:
     layers: list[LlamaLayer]
     norm: torch.Tensor  # [E]
     lm_head: torch.Tensor  # [V, E]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim (Llama's pre-norm)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Llama:

@@ -651,6 +651,7 @@ int64_t parallel_threads(int64_t n) {
 
 // linear.cpp
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
 // encode.cpp
 void encode_int8(const at::Tensor& x, const at::Tensor& cells, at::Tensor& codes,
                  at::Tensor& scale);
@@ -673,6 +674,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge", &kvk::merge, "merge each row's partial sums");
   m.def("gather", &kvk::gather, "decoded rows of cells");
   m.def("linear_rows", &kvk::linear_rows, "x @ w^T (+ bias) for a few rows of x");
+  m.def("rms_norm_rows", &kvk::rms_norm_rows, "RMSNorm of rows times a weight");
   m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
   m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit, 8-bit keys)",
         py::arg("q"), py::arg("nibble_order") = true);
