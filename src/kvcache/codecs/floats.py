@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from kvcache.codecs.base import FLOAT_KINDS, Buffer, Codec, Layout, Locs, RowFormat, tensor_bytes
+from kvcache.kernels.rows import put_rows
 from kvcache.recent import SealPlan, Windows
 
 
@@ -14,7 +15,7 @@ class FloatBuffer(Buffer):
         self.data = torch.zeros((n, heads, dim), dtype=dtype, device=device)  # [N, H, D]
 
     def store(self, locs: torch.Tensor, x: torch.Tensor, plan: SealPlan | None) -> None:
-        self.data.index_copy_(0, locs, x.to(self.data.dtype))
+        put_rows(self.data, locs, x)
 
     def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
         self.data.index_copy_(0, cells, x.to(self.data.dtype))

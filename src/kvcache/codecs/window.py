@@ -30,6 +30,7 @@ from kvcache.codecs.base import (
     capacity,
     tensor_bytes,
 )
+from kvcache.kernels.rows import put_rows
 from kvcache.recent import RowSource, SealPlan, Windows
 
 RESIDUAL = torch.float16
@@ -100,9 +101,8 @@ class WindowedBuffer(Buffer):
     def store(self, locs: torch.Tensor, x: torch.Tensor, plan: SealPlan | None) -> None:
         if plan is None:
             plan = SealPlan.everything(cell_index(locs))
-        rows = x.to(RESIDUAL)  # [T, H, D]: what a window keeps, and what is encoded
         if plan.groups:  # read every sealed row before a kept row reuses its slot
-            values = rows.float()
+            values = x.to(RESIDUAL).float()  # [T, H, D]: what is encoded (fp16-exact)
             for group in plan.groups:
                 if group.fresh and len(group.basis):
                     basis = self._rows(group.basis_source, values)
@@ -111,10 +111,11 @@ class WindowedBuffer(Buffer):
             self._reserve(sealed.top)
             self._encode(self.on_device(sealed.at), self._rows(sealed.source, values), sealed.metas)
         self._fit_window()
-        if len(plan.keep):  # decode steps: one copy of every row into its slot
+        if len(plan.keep):  # decode steps: one copy of every row into its slot, as fp16
             src, to = plan.keep_index  # K/V rows (None: the first len(to)), window slots
-            kept = rows[: len(to)] if src is None else rows.index_select(0, self.on_device(src))
-            self.residual.index_copy_(0, self.on_device(to), kept)
+            put_rows(
+                self.residual, self.on_device(to), x, None if src is None else self.on_device(src)
+            )
 
     def rewrite(self, cells: torch.Tensor, x: torch.Tensor) -> None:
         idx = cell_index(cells)

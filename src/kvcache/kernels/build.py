@@ -1,5 +1,5 @@
 """Build and load the C++ kernels (``csrc/``: attention over the cache, dense attention,
-decode-sized linear layers) with torch's extension builder.
+decode-sized linear layers, row ops of a decode step) with torch's extension builder.
 
 The extension is compiled once per machine (``-O3 -march=native``: AVX2/FMA/F16C where the
 CPU has them, plain loops otherwise) into ``$KVCACHE_KERNEL_DIR`` (default
@@ -34,7 +34,7 @@ import torch
 
 from kvcache.errors import NotSupportedError
 
-SOURCES = ("attention.cpp", "dense.cpp", "encode.cpp", "linear.cpp", "readers.cpp")
+SOURCES = ("attention.cpp", "dense.cpp", "encode.cpp", "linear.cpp", "readers.cpp", "rows.cpp")
 HEADERS = ("matrows.h", "readers.h", "simd.h", "tiles.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.errors import InvalidArgumentError
+from kvcache.kernels.rows import rope
 
 
 class Rope:
@@ -44,7 +45,11 @@ class Rope:
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """RoPE of ``x: [T, H, D]`` by the tables of :meth:`tables` (a new tensor)."""
+        """RoPE of ``x: [T, H, D]`` by the tables of :meth:`tables` (a new tensor; one C++
+        call for float32 CPU rows, the same bits as the ops below)."""
+        y = rope(x, cos, sin_signed)
+        if y is not None:
+            return y
         half = x.shape[-1] // 2
         # swapped: [T, H, D] = (x2, x1); times sin_signed gives (-x2 sin, x1 sin)
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)

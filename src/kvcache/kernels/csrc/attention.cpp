@@ -662,6 +662,10 @@ void range_channels(const at::Tensor& x, int64_t meta, int64_t bits, at::Tensor&
 void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& metas,
                      int64_t bits, at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& low);
+// rows.cpp
+at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+void put_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
+              const at::Tensor& rows);
 // dense.cpp
 at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& windows, double scale);
@@ -675,6 +679,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather", &kvk::gather, "decoded rows of cells");
   m.def("linear_rows", &kvk::linear_rows, "x @ w^T (+ bias) for a few rows of x");
   m.def("rms_norm_rows", &kvk::rms_norm_rows, "RMSNorm of rows times a weight");
+  m.def("rope_rows", &kvk::rope_rows, "RoPE (rotate-half) of rows from cos/sin tables");
+  m.def("put_rows", &kvk::put_rows, "rows copied into slots of a float32/float16 buffer");
   m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
   m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit, 8-bit keys)",
         py::arg("q"), py::arg("nibble_order") = true);

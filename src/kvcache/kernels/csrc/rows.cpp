@@ -1,0 +1,94 @@
+// Row operations of a decode step that torch runs as chains of small ops: RoPE of a few rows,
+// and K/V rows copied into their cells (converted to the buffer's dtype).
+//
+// Between two attention calls a decode step's Python runs with cold caches: on a Zen 3 VM each
+// small torch op (a cat, a mul, a dtype conversion, an index_copy_) then costs 8-15 us, and a
+// 4-bit cache's `put` took 80-160 us a layer for a single token (30 layers a step). Each
+// function here is one call that does what those chains did, with the same rounding.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace kvk {
+
+// RoPE in rotate-half pairs: y = x * cos + swap(x) * sin for x [T, H, D] float32 (rows of any
+// stride, channels contiguous), cos and sin [T, 1, D] or [T, D] float32 (the tables of
+// models/rope.py: sin already signed), where swap(x) = (x[D/2:], x[:D/2]) -> y [T, H, D]
+// contiguous. x * cos is rounded, then swap(x) * sin added in one fused multiply-add, as
+// torch's x * cos and addcmul do: the same float32 as Rope.rotate.
+at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2),
+              "kvcache rope: x [T, H, D] float32 with contiguous heads expected");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 2 == 0, "kvcache rope: an even head_dim");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == T * D,
+                "kvcache rope: cos and sin [T, 1, D] float32, contiguous");
+  at::Tensor y = at::empty({T, H, D}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t half = D / 2, xs = x.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cp + t * D;
+    const float* s = sp + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* r = xp + t * xs + h * D;
+      float* o = yp + (t * H + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        o[i] = std::fma(r[i + half], s[i], r[i] * c[i]);
+      }
+      for (int64_t i = half; i < D; ++i) {
+        o[i] = std::fma(r[i - half], s[i], r[i] * c[i]);
+      }
+    }
+  }
+  return y;
+}
+
+// dst[slots[i]] = src[rows[i]] (rows empty: src[i]) for i < len(slots), converted to dst's
+// dtype (float32, or float16 rounded to nearest even as torch's .to does): dst [S, H, D]
+// float32 or float16, src [T, H, D] float32, both contiguous; slots and rows int64. Every
+// index is checked before anything is written.
+void put_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
+              const at::Tensor& rows) {
+  TORCH_CHECK(dst.dim() == 3 && src.dim() == 3 && dst.size(1) == src.size(1) &&
+                  dst.size(2) == src.size(2),
+              "kvcache put_rows: dst [S, H, D] and src [T, H, D] expected");
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "kvcache put_rows: contiguous tensors");
+  TORCH_CHECK(src.scalar_type() == at::kFloat, "kvcache put_rows: float32 src");
+  const bool half = dst.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || dst.scalar_type() == at::kFloat, "kvcache put_rows: float32 or float16 dst");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "kvcache put_rows: slots int64 [n]");
+  const int64_t n = slots.size(0), S = dst.size(0), T = src.size(0);
+  const int64_t row = dst.size(1) * dst.size(2);
+  const bool mapped = rows.numel() > 0;
+  if (mapped)
+    TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+                    rows.size(0) == n,
+                "kvcache put_rows: rows int64 [n] or empty");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* rw = mapped ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < S, "kvcache put_rows: slot ", sl[i], " outside [0, ", S,
+                ")");
+    const int64_t r = mapped ? rw[i] : i;
+    TORCH_CHECK(r >= 0 && r < T, "kvcache put_rows: row ", r, " outside [0, ", T, ")");
+  }
+  const float* sp = src.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* from = sp + (mapped ? rw[i] : i) * row;
+    if (half) {
+      at::Half* to = dst.data_ptr<at::Half>() + sl[i] * row;
+      for (int64_t c = 0; c < row; ++c) to[c] = at::Half(from[c]);
+    } else {
+      std::memcpy(dst.data_ptr<float>() + sl[i] * row, from, row * sizeof(float));
+    }
+  }
+}
+
+}  // namespace kvk

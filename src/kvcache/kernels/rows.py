@@ -1,0 +1,63 @@
+"""Row operations of a decode step in one C++ call each (``csrc/rows.cpp``): RoPE of a few
+rows, and K/V rows copied into their cells.
+
+Between two attention calls a decode step's Python runs with cold caches; on a Zen 3 VM each
+small torch op then costs 8-15 us, and a 4-bit cache's ``put`` of one token took 80-160 us a
+layer in chains of them (30 layers a step). Both functions give the bits torch's ops give and
+fall back to those ops for what the kernels do not take (other dtypes or devices, autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.kernels.build import extension
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """float32 CPU tensors outside autograd."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor | None:
+    """``Rope.rotate(x, cos, sin_signed)`` by the kernel for float32 CPU ``x`` [T, H, D] with
+    contiguous heads and tables [T, 1, D]; None where the kernel does not serve it."""
+    t, d = (x.shape[0], x.shape[-1]) if x.dim() == 3 else (-1, -1)
+    if (
+        x.dim() != 3
+        or not _plain(x, cos, sin_signed)
+        or x.stride(2) != 1
+        or x.stride(1) != d
+        or cos.shape != (t, 1, d)
+        or sin_signed.shape != (t, 1, d)
+        or x.numel() == 0
+    ):
+        return None
+    return extension().rope_rows(x, cos.contiguous(), sin_signed.contiguous())
+
+
+def put_rows(
+    dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """``dst.index_copy_(0, slots, src[rows].to(dst.dtype))`` (``rows`` None: ``src``'s first
+    ``len(slots)`` rows): the kernel for contiguous float32 ``src`` and a contiguous float32 or
+    float16 CPU ``dst`` [S, H, D], int64 indices."""
+    n = slots.shape[0]
+    if (
+        dst.dtype in (torch.float32, torch.float16)
+        and dst.device.type == "cpu"
+        and _plain(src)
+        and dst.dim() == 3
+        and src.dim() == 3
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and slots.dtype == torch.int64
+        and (rows is None or rows.dtype == torch.int64)
+    ):
+        extension().put_rows(dst, slots.contiguous(), src, _EMPTY if rows is None else rows)
+        return
+    picked = src[:n] if rows is None else src.index_select(0, rows)
+    dst.index_copy_(0, slots, picked.to(dst.dtype))

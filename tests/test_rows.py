@@ -1,0 +1,98 @@
+"""kernels.rows: RoPE of rows and K/V rows stored into cells, one C++ call each.
+
+Both must give the bits of the torch ops they replace (``x * cos`` then ``addcmul`` for RoPE,
+``index_copy_`` of rows converted to the buffer's dtype for the stores), check every index
+before writing anything, and leave what they do not serve to those ops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.kernels import rows as K
+from kvcache.models.rope import Rope
+
+
+def _rope_ops(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in rotate-half pairs by torch's ops (models/rope.py's formula)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+@pytest.mark.parametrize("t,h,d", [(1, 3, 64), (7, 12, 64), (300, 15, 64), (5, 2, 8), (3, 4, 128)])
+def test_rope_equals_torch_ops_bitwise(t: int, h: int, d: int) -> None:
+    g = torch.Generator().manual_seed(t * 100 + h)
+    rope = Rope(d, 100000.0)
+    # q and k as a Llama slices them out of its fused projection: rows strided, heads packed
+    qkv = torch.randn(t, (h + 5) * d, generator=g) * 4
+    x = qkv[:, : h * d].view(t, h, d)
+    cos, sin = rope.tables(torch.randint(-9000, 9000, (t,), generator=g), torch.float32)
+    got = K.rope(x, cos, sin)
+    assert got is not None and got.is_contiguous() and got.shape == (t, h, d)
+    assert torch.equal(got, _rope_ops(x, cos, sin))
+    assert torch.equal(Rope.rotate(x, cos, sin), got)
+    # position 0 (cos 1, sin 0): x itself
+    back_cos, back_sin = rope.tables(torch.zeros(t), torch.float32)
+    assert torch.equal(K.rope(x, back_cos, back_sin), x)
+
+
+def test_rope_leaves_what_it_does_not_serve_to_torch() -> None:
+    g = torch.Generator().manual_seed(0)
+    rope = Rope(64, 10000.0)
+    x = torch.randn(4, 3, 64, generator=g)
+    cos, sin = rope.tables(torch.arange(4), torch.float32)
+    c64, s64 = rope.tables(torch.arange(4), torch.float64)
+    assert K.rope(x.double(), c64, s64) is None
+    assert K.rope(x.transpose(0, 1), cos, sin) is None  # heads not contiguous
+    assert K.rope(x, cos[:3], sin[:3]) is None  # tables of other rows
+    leaf = x.clone().requires_grad_(True)
+    assert K.rope(leaf, cos, sin) is None
+    with torch.no_grad():
+        assert K.rope(leaf, cos, sin) is not None
+    # Rope.rotate serves them all, by the ops
+    assert torch.equal(Rope.rotate(x.double(), c64, s64), _rope_ops(x.double(), c64, s64))
+    y = Rope.rotate(leaf, cos, sin)
+    y.sum().backward()
+    assert leaf.grad is not None and torch.equal(y.detach(), _rope_ops(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_put_rows_equals_index_copy(dtype: torch.dtype, mapped: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    for t, n in ((1, 1), (9, 6), (300, 300)):
+        dst = torch.randn(400, 3, 64, generator=g).to(dtype)
+        want = dst.clone()
+        src = torch.randn(t, 3, 64, generator=g) * 300  # fp16 rounding and overflow to inf
+        slots = torch.randperm(400, generator=g)[:n]
+        rows = torch.randperm(t, generator=g)[:n] if mapped else None
+        picked = src[:n] if rows is None else src[rows]
+        want.index_copy_(0, slots, picked.to(dtype))
+        K.put_rows(dst, slots, src, rows)
+        assert torch.equal(dst, want)
+
+
+def test_put_rows_checks_every_index_before_writing() -> None:
+    dst = torch.zeros(10, 2, 8, dtype=torch.float16)
+    src = torch.ones(4, 2, 8)
+    for slots, rows in (
+        (torch.tensor([0, 10]), None),  # a slot past the buffer
+        (torch.tensor([1, -1]), None),
+        (torch.tensor([0, 1]), torch.tensor([0, 4])),  # a row past src
+        (torch.tensor([0, 1, 2, 3, 4]), None),  # more slots than src rows
+    ):
+        with pytest.raises(RuntimeError, match="kvcache put_rows"):
+            K.put_rows(dst, slots, src, rows)
+        assert not dst.any()  # the valid first index was not written either
+
+
+def test_put_rows_leaves_other_dtypes_to_index_copy() -> None:
+    dst = torch.zeros(6, 2, 8, dtype=torch.float64)
+    src = torch.randn(3, 2, 8)
+    K.put_rows(dst, torch.tensor([5, 0]), src, torch.tensor([2, 1]))
+    assert torch.equal(dst[5], src[2].double()) and torch.equal(dst[0], src[1].double())
+    half = torch.zeros(6, 2, 8, dtype=torch.float16)
+    K.put_rows(half, torch.tensor([3]), src.double())  # float64 rows: converted by torch
+    assert torch.equal(half[3], src[0].half())
