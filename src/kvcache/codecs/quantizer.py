@@ -111,6 +111,11 @@ class TurboQuantizer:
         )
         self.qjl = QJLSketch(self.padded, self.projections, self.seed + _QJL_SEED, self.device)
         self._stack = HeadStack([self])
+        # the codebooks' levels over sqrt(P), as the cache's kernels read codes (a row is
+        # levels[code] times its norm): made once, not on every layer call
+        unit = 1.0 / math.sqrt(self.padded)
+        self.value_levels = self.value_codebook.centroids * unit
+        self.key_levels = self.key_codebook.centroids * unit if self.key_codebook else None
 
     def to(self, device: torch.device | str) -> TurboQuantizer:
         """The same quantizer (same codes for the same input) with its tensors on ``device``."""

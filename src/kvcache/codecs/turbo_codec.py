@@ -36,8 +36,6 @@ levels) and rotated back once per output row.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -103,13 +101,14 @@ class TurboBuffer(CentredBuffer):
         return self.uncentred(torch.stack(rows, dim=1), cells)  # [n, H, D] float32
 
     def layout(self) -> Layout:
-        book = self.quantizers[0].key_codebook if self.keys else self.quantizers[0].value_codebook
-        assert book is not None
+        first = self.quantizers[0]
+        levels = first.key_levels if self.keys else first.value_levels
+        assert levels is not None
         layout = Layout(
             TURBO,
             self.codes,
             scale=self.scale,
-            centroids=book.centroids * (1.0 / math.sqrt(self.padded)),
+            centroids=levels,
             signs=self.stack.rotations.signs,
             rotation=_or_empty(self.stack.rotations.matrices),
             bits=self.bits,

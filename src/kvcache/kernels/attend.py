@@ -6,7 +6,7 @@ kernel computes partial softmax sums of the decode-sized segments from the store
 prompt-sized segments go through torch's fused CPU flash kernel over decoded tiles of at
 most ``TILE_CELLS`` cells, whose log-sum-exp makes their partial sums; a last pass merges
 every row's partial sums. Turbo values are summed in their rotated domain and rotated back
-once per output row. With 4-bit affine keys (int4) and int8 keys every row scores with its
+once per output row, in the merge. With 4-bit affine keys (int4) and int8 keys every row scores with its
 query rounded to int16 steps (``int16_steps``): the kernel meets the key codes in int16
 products (csrc/tiles.h), and the prompt tiles use the same rounded query, so that a row's
 attention is one softmax whichever path computed its parts.
@@ -81,7 +81,6 @@ def attend(
     """Attention output [T, Hq, D] float32 of queries ``q`` [T, Hq, D] (see module doc);
     ``rope``: cos, sin float32 [P, D/2] for positions < P (keys stored before RoPE)."""
     ext = extension()
-    t, hq, d = q.shape
     q32 = q.to(torch.float32).contiguous()
     if int16_keys(keys.kind, keys.bits) and plan.tiles:
         # the prompt tiles score with the kernel's rounded query (a decode-only call leaves
@@ -91,21 +90,18 @@ def attend(
     v_args = layout_args(values, False)
     cos, sin = rope if rope is not None else (_EMPTY, _EMPTY)
     common = (q32, plan.cells, plan.pos, plan.segs, plan.entries, *k_args, *v_args, kv_heads)
+    # turbo values are summed in their rotated domain, sum_j w_j R^T c_j = R^T sum_j w_j c_j,
+    # and rotated back by the merge, per KV head
+    back = values.rotation if values.rotated else _EMPTY  # [Hkv, D, P]: x = y @ rotation[h].T
     if not plan.tiles:  # decode steps: one call computes and merges
-        out, outr = ext.attend(*common, cos, sin, scale, plan.row_ptr, plan.row_entries)
-    else:
-        pm, pl, pacc, paccr = ext.partials(*common, cos, sin, scale)
-        for tile in plan.tiles:
-            m, acc = _tile(ext, q32, plan, tile, k_args, v_args, kv_heads, scale, cos, sin)
-            pm[tile.entries], pl[tile.entries], pacc[tile.entries] = m, 1.0, acc
-            if values.rotated:
-                paccr[tile.entries] = 0.0  # the tile path sums plain rows
-        out, outr = ext.merge(pm, pl, pacc, paccr, plan.row_ptr, plan.row_entries)
-    if values.rotated:  # turbo values: sum_j w_j R^T c_j = R^T sum_j w_j c_j, per KV head
-        g = hq // kv_heads
-        back = values.rotation  # [Hkv, D, P]: x = y @ rotation[h].T
-        out += torch.einsum("thgp,hdp->thgd", outr.view(t, kv_heads, g, d), back).reshape(t, hq, d)
-    return out
+        return ext.attend(*common, cos, sin, scale, plan.row_ptr, plan.row_entries, back)
+    pm, pl, pacc, paccr = ext.partials(*common, cos, sin, scale)
+    for tile in plan.tiles:
+        m, acc = _tile(ext, q32, plan, tile, k_args, v_args, kv_heads, scale, cos, sin)
+        pm[tile.entries], pl[tile.entries], pacc[tile.entries] = m, 1.0, acc
+        if values.rotated:
+            paccr[tile.entries] = 0.0  # the tile path sums plain rows
+    return ext.merge(pm, pl, pacc, paccr, plan.row_ptr, plan.row_entries, back)
 
 
 def _tile(

@@ -388,16 +388,21 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
   }
 }
 
-// out[row] = sum_e exp(m_e - M) acc_e / sum_e exp(m_e - M) l_e over the row's entries
+constexpr int64_t kMaxDim = 256;  // head_dim the kernels take (causal.py, _kernel_reads)
+
+// out[row] = sum_e exp(m_e - M) acc_e / sum_e exp(m_e - M) l_e over the row's entries; where
+// the value sums have a rotated-domain part (p.accr), it is merged alike and rotated back into
+// out by `rotation` [Hkv, Dv, Dv] (out += rotation[hq / G] @ merged accr)
 void merge_rows(const Partials& p, const int64_t* row_ptr, const int64_t* row_entries, int64_t T,
-                int64_t Hq, int64_t Dv, float* out, float* outr) {
+                int64_t Hq, int64_t Dv, float* out, const float* rotation, int64_t G) {
   at::parallel_for(0, T * Hq, 16, [&](int64_t begin, int64_t end) {
+    float orot[kMaxDim];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hq, hq = item % Hq;
       float* o = out + item * Dv;
-      float* orot = outr != nullptr ? outr + item * Dv : nullptr;
+      const bool rot = p.accr != nullptr;
       std::fill(o, o + Dv, 0.f);
-      if (orot != nullptr) std::fill(orot, orot + Dv, 0.f);
+      if (rot) std::fill(orot, orot + Dv, 0.f);
       float M = -std::numeric_limits<float>::infinity();
       for (int64_t k = row_ptr[t]; k < row_ptr[t + 1]; ++k)
         M = std::max(M, p.m[row_entries[k] * Hq + hq]);
@@ -409,10 +414,14 @@ void merge_rows(const Partials& p, const int64_t* row_ptr, const int64_t* row_en
         if (f == 0.f) continue;
         L += f * p.l[i];
         axpy(f, p.acc + i * Dv, o, (int)Dv);
-        if (orot != nullptr) axpy(f, p.accr + i * Dv, orot, (int)Dv);
+        if (rot) axpy(f, p.accr + i * Dv, orot, (int)Dv);
       }
       scale_row(1.f / L, o, (int)Dv);
-      if (orot != nullptr) scale_row(1.f / L, orot, (int)Dv);
+      if (rot) {
+        scale_row(1.f / L, orot, (int)Dv);
+        const float* back = rotation + hq / G * Dv * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] += dot(back + d * Dv, orot, (int)Dv);
+      }
     }
   });
 }
@@ -545,18 +554,27 @@ std::vector<at::Tensor> partials(const at::Tensor& q, const at::Tensor& cells,
   return t;
 }
 
-// out [T, Hq, D] (and outr, the rotated-domain part, when accr is given): each row's entries
-// merged; a row that sees nothing is zeros.
-std::vector<at::Tensor> merge(const at::Tensor& pm, const at::Tensor& pl, const at::Tensor& pacc,
-                              const at::Tensor& paccr, const at::Tensor& row_ptr,
-                              const at::Tensor& row_entries) {
+// out [T, Hq, D]: each row's entries merged; a row that sees nothing is zeros. Where the value
+// codec sums in a rotated domain (accr given), that part is merged too and rotated back with
+// `rotation` [Hkv, D, D] (x = y @ rotation[h]^T, h = hq / (Hq / Hkv)) into out: one matrix-vector
+// product per output row, where torch's einsum and add took ~30-60 us a layer.
+at::Tensor merge(const at::Tensor& pm, const at::Tensor& pl, const at::Tensor& pacc,
+                 const at::Tensor& paccr, const at::Tensor& row_ptr,
+                 const at::Tensor& row_entries, const at::Tensor& rotation) {
   check_int(row_ptr, at::kLong, 1, "row_ptr");
   check_int(row_entries, at::kLong, 1, "row_entries");
   const int64_t E = pm.size(0), Hq = pm.size(1), D = pacc.size(2), T = row_ptr.size(0) - 1;
   check_float(pl, {E, Hq}, "l");
   check_float(pacc, {E, Hq, D}, "acc");
+  TORCH_CHECK(D <= kMaxDim, "kvcache kernel: head_dim above ", kMaxDim);
   const bool rot = paccr.numel() > 0;
-  if (rot) check_float(paccr, {E, Hq, D}, "accr");
+  int64_t H = 0;
+  if (rot) {
+    check_float(paccr, {E, Hq, D}, "accr");
+    H = rotation.dim() == 3 ? rotation.size(0) : 0;
+    TORCH_CHECK(H > 0 && Hq % H == 0, "kvcache kernel: rotated value sums need rotation [Hkv, D, D]");
+    check_float(rotation, {H, D, D}, "rotation");
+  }
   const int64_t* rp = row_ptr.data_ptr<int64_t>();
   const int64_t* re = row_entries.data_ptr<int64_t>();
   TORCH_CHECK(rp[0] == 0 && rp[T] == row_entries.size(0), "kvcache kernel: bad row_ptr");
@@ -565,23 +583,22 @@ std::vector<at::Tensor> merge(const at::Tensor& pm, const at::Tensor& pl, const 
   Partials part{pm.data_ptr<float>(), pl.data_ptr<float>(), pacc.data_ptr<float>(),
                 rot ? paccr.data_ptr<float>() : nullptr};
   at::Tensor out = at::empty({T, Hq, D}, pacc.options());
-  at::Tensor outr = rot ? at::empty({T, Hq, D}, pacc.options()) : at::empty({0}, pacc.options());
-  merge_rows(part, rp, re, T, Hq, D, out.data_ptr<float>(), rot ? outr.data_ptr<float>() : nullptr);
-  return {out, outr};
+  merge_rows(part, rp, re, T, Hq, D, out.data_ptr<float>(),
+             rot ? rotation.data_ptr<float>() : nullptr, rot ? Hq / H : 1);
+  return out;
 }
 
-// Partial sums and their merge in one call (a forward without prompt tiles): out, outr.
-std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& cells, const at::Tensor& pos,
-                               const at::Tensor& segs, const at::Tensor& entries,
-                               const std::vector<at::Tensor>& k_tensors,
-                               const std::vector<int64_t>& k_ints,
-                               const std::vector<at::Tensor>& v_tensors,
-                               const std::vector<int64_t>& v_ints, int64_t kv_heads,
-                               const at::Tensor& cos, const at::Tensor& sin, double scale,
-                               const at::Tensor& row_ptr, const at::Tensor& row_entries) {
+// Partial sums and their merge in one call (a forward without prompt tiles): out.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& cells, const at::Tensor& pos,
+                  const at::Tensor& segs, const at::Tensor& entries,
+                  const std::vector<at::Tensor>& k_tensors, const std::vector<int64_t>& k_ints,
+                  const std::vector<at::Tensor>& v_tensors, const std::vector<int64_t>& v_ints,
+                  int64_t kv_heads, const at::Tensor& cos, const at::Tensor& sin, double scale,
+                  const at::Tensor& row_ptr, const at::Tensor& row_entries,
+                  const at::Tensor& rotation) {
   std::vector<at::Tensor> t = partials(q, cells, pos, segs, entries, k_tensors, k_ints, v_tensors,
                                        v_ints, kv_heads, cos, sin, scale);
-  return merge(t[0], t[1], t[2], t[3], row_ptr, row_entries);
+  return merge(t[0], t[1], t[2], t[3], row_ptr, row_entries, rotation);
 }
 
 // Decoded rows of `cells` (keys stored before RoPE rotated back): [n, H, D] float32.
