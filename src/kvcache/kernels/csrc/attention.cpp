@@ -219,6 +219,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
   for (int64_t b0 = c0; b0 < c1; b0 += n) {
     const int32_t* cells = plan.cells + b0;
     n = tile_len(b0);
+    // a tile of no cell would never move b0 on: a bookkeeping bug stops here, not in a hang
+    TORCH_CHECK(n > 0, "kvcache kernel: an empty tile at cell ", b0, " of segment ", s);
     const int32_t* pos = plan.pos + b0;
     int a = n, b = 0;
     for (int64_t e = 0; e < ne; ++e) {  // visible cells of each entry: a run (sorted positions)
