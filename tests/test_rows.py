@@ -96,3 +96,12 @@ def test_put_rows_leaves_other_dtypes_to_index_copy() -> None:
     half = torch.zeros(6, 2, 8, dtype=torch.float16)
     K.put_rows(half, torch.tensor([3]), src.double())  # float64 rows: converted by torch
     assert torch.equal(half[3], src[0].half())
+
+
+def test_put_rows_takes_strided_indices() -> None:
+    dst = torch.zeros(8, 2, 8, dtype=torch.float16)
+    src = torch.randn(6, 2, 8)
+    slots, rows = torch.tensor([7, 0, 5, 1])[::2], torch.tensor([4, 9, 2, 9])[::2]  # [7, 5], [4, 2]
+    K.put_rows(dst, slots, src, rows)
+    assert torch.equal(dst[7], src[4].half()) and torch.equal(dst[5], src[2].half())
+    assert int((dst != 0).any(dim=(1, 2)).sum()) == 2

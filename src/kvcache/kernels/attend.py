@@ -6,10 +6,10 @@ kernel computes partial softmax sums of the decode-sized segments from the store
 prompt-sized segments go through torch's fused CPU flash kernel over decoded tiles of at
 most ``TILE_CELLS`` cells, whose log-sum-exp makes their partial sums; a last pass merges
 every row's partial sums. Turbo values are summed in their rotated domain and rotated back
-once per output row, in the merge. With 4-bit affine keys (int4) and int8 keys every row scores with its
-query rounded to int16 steps (``int16_steps``): the kernel meets the key codes in int16
-products (csrc/tiles.h), and the prompt tiles use the same rounded query, so that a row's
-attention is one softmax whichever path computed its parts.
+once per output row, in the merge. With 4-bit affine keys (int4) and int8 keys every row
+scores with its query rounded to int16 steps (``int16_steps``): the kernel meets the key
+codes in int16 products (csrc/tiles.h), and the prompt tiles use the same rounded query, so
+that a row's attention is one softmax whichever path computed its parts.
 
     q [T, Hq, D] (query head hq reads KV head hq // G)  ->  out [T, Hq, D] float32
 """

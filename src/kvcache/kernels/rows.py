@@ -57,7 +57,9 @@ def put_rows(
         and slots.dtype == torch.int64
         and (rows is None or rows.dtype == torch.int64)
     ):
-        extension().put_rows(dst, slots.contiguous(), src, _EMPTY if rows is None else rows)
+        extension().put_rows(
+            dst, slots.contiguous(), src, _EMPTY if rows is None else rows.contiguous()
+        )
         return
     picked = src[:n] if rows is None else src.index_select(0, rows)
     dst.index_copy_(0, slots, picked.to(dst.dtype))
