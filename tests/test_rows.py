@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcache.kernels import rows as K
+from kvcache.kernels.build import extension
 from kvcache.models.rope import Rope
 
 
@@ -105,3 +106,24 @@ def test_put_rows_takes_strided_indices() -> None:
     K.put_rows(dst, slots, src, rows)
     assert torch.equal(dst[7], src[4].half()) and torch.equal(dst[5], src[2].half())
     assert int((dst != 0).any(dim=(1, 2)).sum()) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_put_rows_reads_k_and_v_as_slices_of_a_fused_projection(dtype: torch.dtype) -> None:
+    """A Llama's k and v are slices of q|k|v rows: strided rows and heads, contiguous channels.
+    The kernel itself takes them (the fallback's copies cost what the kernel saves)."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(16, (9 + 2 * 3) * 64, generator=g)
+    qk = qkv[:, : 12 * 64].view(16, 12, 64)
+    k, v = qk[:, 9:], qkv[:, 12 * 64 :].view(16, 3, 64)
+    every_other_head = torch.randn(16, 6, 64, generator=g)[:, ::2]  # heads 128 floats apart
+    assert not k.is_contiguous() and not v.is_contiguous()
+    slots, rows = torch.randperm(40, generator=g)[:10], torch.randperm(16, generator=g)[:10]
+    for src in (k, v, every_other_head):
+        want = torch.zeros(40, 3, 64, dtype=dtype).index_copy_(0, slots, src[rows].to(dtype))
+        got = torch.zeros(40, 3, 64, dtype=dtype)
+        extension().put_rows(got, slots, src, rows)
+        assert torch.equal(got, want)
+        got.zero_()
+        K.put_rows(got, slots, src, rows)
+        assert torch.equal(got, want)

@@ -43,8 +43,9 @@ def put_rows(
     dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, rows: torch.Tensor | None = None
 ) -> None:
     """``dst.index_copy_(0, slots, src[rows].to(dst.dtype))`` (``rows`` None: ``src``'s first
-    ``len(slots)`` rows): the kernel for contiguous float32 ``src`` and a contiguous float32 or
-    float16 CPU ``dst`` [S, H, D], int64 indices."""
+    ``len(slots)`` rows): the kernel for float32 ``src`` [T, H, D] with contiguous channels
+    (a model's k and v: slices of its fused projection) and a contiguous float32 or float16
+    CPU ``dst`` [S, H, D], int64 indices."""
     n = slots.shape[0]
     if (
         dst.dtype in (torch.float32, torch.float16)
@@ -53,7 +54,7 @@ def put_rows(
         and dst.dim() == 3
         and src.dim() == 3
         and dst.is_contiguous()
-        and src.is_contiguous()
+        and src.stride(-1) == 1
         and slots.dtype == torch.int64
         and (rows is None or rows.dtype == torch.int64)
     ):

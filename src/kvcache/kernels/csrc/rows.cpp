@@ -51,21 +51,23 @@ at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 
 // dst[slots[i]] = src[rows[i]] (rows empty: src[i]) for i < len(slots), converted to dst's
 // dtype (float32, or float16 rounded to nearest even as torch's .to does): dst [S, H, D]
-// float32 or float16, src [T, H, D] float32, both contiguous; slots and rows int64. Every
-// index is checked before anything is written.
+// float32 or float16, contiguous; src [T, H, D] float32 with contiguous channels (rows and
+// heads of any stride: a model's k and v are slices of its fused projection); slots and rows
+// int64. Every index is checked before anything is written.
 void put_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
               const at::Tensor& rows) {
   TORCH_CHECK(dst.dim() == 3 && src.dim() == 3 && dst.size(1) == src.size(1) &&
                   dst.size(2) == src.size(2),
               "kvcache put_rows: dst [S, H, D] and src [T, H, D] expected");
-  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "kvcache put_rows: contiguous tensors");
+  TORCH_CHECK(dst.is_contiguous() && src.stride(2) == 1,
+              "kvcache put_rows: a contiguous dst and src channels");
   TORCH_CHECK(src.scalar_type() == at::kFloat, "kvcache put_rows: float32 src");
   const bool half = dst.scalar_type() == at::kHalf;
   TORCH_CHECK(half || dst.scalar_type() == at::kFloat, "kvcache put_rows: float32 or float16 dst");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "kvcache put_rows: slots int64 [n]");
   const int64_t n = slots.size(0), S = dst.size(0), T = src.size(0);
-  const int64_t row = dst.size(1) * dst.size(2);
+  const int64_t H = dst.size(1), D = dst.size(2);
   const bool mapped = rows.numel() > 0;
   if (mapped)
     TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
@@ -80,13 +82,17 @@ void put_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
     TORCH_CHECK(r >= 0 && r < T, "kvcache put_rows: row ", r, " outside [0, ", T, ")");
   }
   const float* sp = src.data_ptr<float>();
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
   for (int64_t i = 0; i < n; ++i) {
-    const float* from = sp + (mapped ? rw[i] : i) * row;
-    if (half) {
-      at::Half* to = dst.data_ptr<at::Half>() + sl[i] * row;
-      for (int64_t c = 0; c < row; ++c) to[c] = at::Half(from[c]);
-    } else {
-      std::memcpy(dst.data_ptr<float>() + sl[i] * row, from, row * sizeof(float));
+    const float* from = sp + (mapped ? rw[i] : i) * s0;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* f = from + h * s1;
+      if (half) {
+        at::Half* to = dst.data_ptr<at::Half>() + (sl[i] * H + h) * D;
+        for (int64_t c = 0; c < D; ++c) to[c] = at::Half(f[c]);
+      } else {
+        std::memcpy(dst.data_ptr<float>() + (sl[i] * H + h) * D, f, D * sizeof(float));
+      }
     }
   }
 }
