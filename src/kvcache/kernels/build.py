@@ -39,6 +39,13 @@ HEADERS = ("matrows.h", "readers.h", "simd.h", "tiles.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 
 
+def cpu_float32(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is float32 on the CPU, outside autograd: what the kernels that
+    stand in for torch ops take (anything else goes to those ops)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 def _source_dir() -> Path:
     return Path(__file__).resolve().parent / "csrc"
 

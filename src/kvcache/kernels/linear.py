@@ -19,28 +19,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcache.kernels.build import extension
+from kvcache.kernels.build import cpu_float32, extension
 
 MAX_ROWS = 32  # rows up to which the kernel beats torch here (benchmarks/linear_rows.py)
 _EMPTY = torch.empty(0)
-
-
-def _kernel_inputs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """float32 CPU tensors outside autograd: what the C++ kernels here take."""
-    return (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    )
 
 
 def served(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear(x, weight)`` runs the kernel."""
     k = weight.shape[-1]
     return (
-        _kernel_inputs(x, weight)
+        cpu_float32(x, weight)
         and weight.dim() == 2
         and weight.is_contiguous()
         and k % 8 == 0
@@ -76,7 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.rms_norm(x, (K,), weight, eps)`` for x [..., K], weight [K]: the C++ kernel for
     float32 CPU tensors with K a multiple of 8 (no autograd), else torch's."""
     k = x.shape[-1]
-    if _kernel_inputs(x, weight) and weight.shape == (k,) and k % 8 == 0 and x.numel() > 0:
+    if cpu_float32(x, weight) and weight.shape == (k,) and k % 8 == 0 and x.numel() > 0:
         y = extension().rms_norm_rows(x.reshape(-1, k).contiguous(), weight.contiguous(), eps)
         return y.view(x.shape)
     return F.rms_norm(x, (k,), weight, eps)

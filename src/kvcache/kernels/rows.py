@@ -11,29 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.kernels.build import extension
+from kvcache.kernels.build import cpu_float32, extension
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-def _plain(*tensors: torch.Tensor) -> bool:
-    """float32 CPU tensors outside autograd."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor | None:
     """``Rope.rotate(x, cos, sin_signed)`` by the kernel for float32 CPU ``x`` [T, H, D] with
     contiguous heads and tables [T, 1, D]; None where the kernel does not serve it."""
-    t, d = (x.shape[0], x.shape[-1]) if x.dim() == 3 else (-1, -1)
+    if x.dim() != 3 or x.numel() == 0 or not cpu_float32(x, cos, sin_signed):
+        return None
+    t, _, d = x.shape
     if (
-        x.dim() != 3
-        or not _plain(x, cos, sin_signed)
-        or x.stride(2) != 1
+        x.stride(2) != 1
         or x.stride(1) != d
         or cos.shape != (t, 1, d)
         or sin_signed.shape != (t, 1, d)
-        or x.numel() == 0
     ):
         return None
     return extension().rope_rows(x, cos.contiguous(), sin_signed.contiguous())
@@ -50,7 +43,7 @@ def put_rows(
     if (
         dst.dtype in (torch.float32, torch.float16)
         and dst.device.type == "cpu"
-        and _plain(src)
+        and cpu_float32(src)
         and dst.dim() == 3
         and src.dim() == 3
         and dst.is_contiguous()

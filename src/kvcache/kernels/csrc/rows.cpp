@@ -82,16 +82,18 @@ void put_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
     TORCH_CHECK(r >= 0 && r < T, "kvcache put_rows: row ", r, " outside [0, ", T, ")");
   }
   const float* sp = src.data_ptr<float>();
+  at::Half* dh = half ? dst.data_ptr<at::Half>() : nullptr;
+  float* df = half ? nullptr : dst.data_ptr<float>();
   const int64_t s0 = src.stride(0), s1 = src.stride(1);
   for (int64_t i = 0; i < n; ++i) {
     const float* from = sp + (mapped ? rw[i] : i) * s0;
     for (int64_t h = 0; h < H; ++h) {
       const float* f = from + h * s1;
+      const int64_t off = (sl[i] * H + h) * D;
       if (half) {
-        at::Half* to = dst.data_ptr<at::Half>() + (sl[i] * H + h) * D;
-        for (int64_t c = 0; c < D; ++c) to[c] = at::Half(f[c]);
+        for (int64_t c = 0; c < D; ++c) dh[off + c] = at::Half(f[c]);
       } else {
-        std::memcpy(dst.data_ptr<float>() + (sl[i] * H + h) * D, f, D * sizeof(float));
+        std::memcpy(df + off, f, D * sizeof(float));
       }
     }
   }
