@@ -42,9 +42,18 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {  // nb weight rows, every input row block over them
       const int64_t n = b * nb, c = std::min<int64_t>(nb, N - n);
-      for (int64_t m = 0; m < M; m += MB)
+      // With several row blocks, the weights are read from memory by the first and from L1 by
+      // the others, when no miss is in flight: the next block's lines are asked for (into L2)
+      // a share before each row block, so that memory works while the FMAs do.
+      const int64_t next = b + 1 < end ? std::min<int64_t>(nb, N - n - nb) * K * 4 / 64 : 0;
+      const int64_t per = M > MB ? (next + (M + MB - 1) / MB - 1) / ((M + MB - 1) / MB) : 0;
+      const char* ahead = reinterpret_cast<const char*>(wp + (n + nb) * K);
+      for (int64_t m = 0, line = 0; m < M; m += MB) {
+        for (const int64_t stop = std::min(next, line + per); line < stop; ++line)
+          __builtin_prefetch(ahead + line * 64, 0, 2);  // prefetcht1: into L2
         run_block(std::min<int64_t>(MB, M - m), c, xp + m * K, K, wp + n * K, yp + m * N + n, N,
-                  bp ? bp + n : nullptr);
+                  bp ? bp + n : nullptr, m > 0);
+      }
     }
   });
   return y;
