@@ -77,6 +77,18 @@ inline void bf16_row(const uint16_t* src, float* dst, int n) {
 }
 
 #if KVK_AVX2
+// Keep a loaded vector in a register: an empty asm statement the compiler cannot see through.
+// A vector loaded once and used by several FMAs is otherwise often folded into each FMA's memory
+// operand by GCC, which then loads it once per use (the register blocks below: 15 loads per 12
+// FMAs instead of 7).
+inline void pin(__m256& v) {
+#if KVK_AVX512
+  __asm__("" : "+v"(v));
+#else
+  __asm__("" : "+x"(v));
+#endif
+}
+
 // the sum of a register's 8 floats
 inline float hsum8(__m256 v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -215,7 +215,8 @@ inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D
 }
 
 // Scores of NR <= 3 rows against 4 cells: the query rows stay in registers, each key row is
-// loaded once, and each row's 4 sums are reduced together (3 hadds, not 4 horizontal sums).
+// loaded once (pinned), and each row's 4 sums are reduced together (3 hadds, not 4 horizontal
+// sums).
 template <int NR, typename R>
 inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
                       float* sc, Steps& st) {
@@ -225,9 +226,13 @@ inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int 
   for (int c = c0; c < c1; c += 8) {
     st.step();
     __m256 qv[NR];
-    for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q + r * D + c);
+    for (int r = 0; r < NR; ++r) {
+      qv[r] = _mm256_loadu_ps(q + r * D + c);
+      pin(qv[r]);
+    }
     for (int i = 0; i < 4; ++i) {
-      const __m256 kv = R::load8(k[j + i], c);
+      __m256 kv = R::load8(k[j + i], c);
+      pin(kv);
       for (int r = 0; r < NR; ++r) acc[r][i] = _mm256_fmadd_ps(qv[r], kv, acc[r][i]);
     }
   }
@@ -275,7 +280,8 @@ inline void pv_cols(const float* p, const typename R::T* const* v, int ja, int j
     __m256 pr[NR];
     for (int r = 0; r < NR; ++r) pr[r] = _mm256_broadcast_ss(p + r * BLK + j);
     for (int x = 0; x < NV; ++x) {
-      const __m256 vx = R::load8(v[j], c0 + 8 * x);
+      __m256 vx = R::load8(v[j], c0 + 8 * x);
+      pin(vx);  // one load for the NR rows (pin)
       for (int r = 0; r < NR; ++r) a[r][x] = _mm256_fmadd_ps(pr[r], vx, a[r][x]);
     }
   }
