@@ -281,7 +281,7 @@ inline void pv_cols(const float* p, const typename R::T* const* v, int ja, int j
     for (int r = 0; r < NR; ++r) pr[r] = _mm256_broadcast_ss(p + r * BLK + j);
     for (int x = 0; x < NV; ++x) {
       __m256 vx = R::load8(v[j], c0 + 8 * x);
-      pin(vx);  // one load for the NR rows (pin)
+      pin(vx);  // one load for the NR rows
       for (int r = 0; r < NR; ++r) a[r][x] = _mm256_fmadd_ps(pr[r], vx, a[r][x]);
     }
   }
