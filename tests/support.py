@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvcache.codecs.ints import AffineRowsCodec, Int8Codec
-from kvcache.kernels.attend import int16_steps
+from kvcache.codecs.turbo_codec import TurboCodec
+from kvcache.kernels.attend import int16_steps, turbo16_keys, turbo_steps
 
 
 def render(mask: torch.Tensor) -> list[str]:
@@ -33,8 +34,13 @@ def stored_keys(cache, layer: int) -> torch.Tensor:
 def scoring_query(cache, q: torch.Tensor, scale: float) -> torch.Tensor:
     """The query ``cache.attention`` scores with: with 4-bit affine keys (int4) and int8 keys
     the kernels meet the codes in int16 products, every row rounded to int16 steps
-    (``int16_steps``); the query as given otherwise."""
+    (``int16_steps``); with 2-5 bit turbo keys after RoPE every row is rounded so in the
+    codes' rotated domain (``turbo_steps``); the query as given otherwise."""
     codec = cache.key_codec
     if isinstance(codec, Int8Codec) or (isinstance(codec, AffineRowsCodec) and codec.bits == 4):
         return int16_steps(q.float(), scale)
+    if isinstance(codec, TurboCodec):
+        keys, _ = cache.storage.layouts(0)
+        if turbo16_keys(keys, cache.key_rope == "pre", q.shape[-1]):
+            return turbo_steps(q.float(), scale, keys.signs)
     return q

@@ -262,6 +262,29 @@ def test_the_kernel_rounds_queries_to_int16_steps_as_the_reference_does():
     assert torch.equal(q8[-1, 1:8], half_even)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_turbo_keys_score_the_query_the_reference_rounds(dim: int):
+    """Turbo keys of 2-5 bits meet the query in int16 steps of the codes' rotated domain
+    (turbo_query16): ``turbo_steps`` (the prompt tiles' query and the tests' reference) must
+    give the very query the kernel scores with, bit for bit, and the kernel's int16 steps
+    must be the rotated query's, rounded."""
+    from kvcache.codecs.rotation import hadamard
+    from kvcache.kernels.attend import turbo_steps
+    from kvcache.kernels.build import extension
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2048, dim, generator=g) * torch.logspace(-4, 4, 2048)[:, None]
+    signs = torch.randint(0, 2, (dim,), generator=g).float() * 2 - 1
+    rounded, q16, step = extension().turbo_steps16(q, signs)
+    assert torch.equal(rounded, turbo_steps(q[:, None], 1.0, signs[None])[:, 0])
+    h = hadamard(dim, torch.device("cpu")).double() / dim**0.5  # Sylvester order
+    y = (q.double() * signs.double()) @ h  # the codes' domain
+    assert torch.all(q16.abs().amax(dim=1) == 32767)
+    off = (q16.double() * step[:, None].double() - y).abs()
+    assert torch.all(off <= step[:, None] * 0.5 + 1e-6 * y.abs().amax(dim=1, keepdim=True))
+    assert not torch.equal(rounded, q)
+
+
 def test_another_cpu_gets_its_own_kernel_build(monkeypatch: pytest.MonkeyPatch):
     """The kernels are built with -march=native: a build folder shared by two machines (one
     home on both) must not load one CPU's instructions on the other, so the CPU names it."""

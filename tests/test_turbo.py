@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache.codecs.codebook import lloyd_max
+from kvcache.codecs.codebook import LEVEL_STEPS, lloyd_max
 from kvcache.codecs.lloyd import BetaCoordinate, lloyd_levels
 from kvcache.codecs.pack import pack
 from kvcache.codecs.qjl import QJLSketch
@@ -100,7 +100,22 @@ def test_codebook_fit_is_deterministic():
     (a, mse_a), (b, mse_b) = lloyd_levels(64, 4), lloyd_levels(64, 4)  # two fits, no cache
     assert np.array_equal(a, b) and mse_a == mse_b
     book = lloyd_max(64, 4)
-    assert torch.equal(book.centroids, torch.tensor(a * 8.0, dtype=torch.float32))
+    step = float(np.abs(a).max()) * 8.0 / LEVEL_STEPS  # the levels on int16 steps
+    assert torch.equal(book.centroids, torch.tensor(np.round(a * 8.0 / step) * step).float())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_codebook_levels_are_int16_steps_next_to_the_fit(bits):
+    """The kernel looks the levels up as int16 steps of max |level| / 8191 (turbo_keys16):
+    every level is such a step (to float32), within 1/50 of the smallest gap of its fit."""
+    fit, _ = lloyd_levels(64, bits)
+    levels = lloyd_max(64, bits).centroids.double()
+    step = levels.abs().max() / LEVEL_STEPS
+    k = torch.round(levels / step)
+    assert k.abs().max() == LEVEL_STEPS
+    assert torch.allclose(k * step, levels, rtol=0, atol=1e-3 * step.item())
+    moved = (levels - torch.from_numpy(fit) * 8.0).abs().max().item()
+    assert moved < np.diff(fit).min() * 8.0 / 50
 
 
 @pytest.mark.parametrize("bits", [1, 3, 4, 8])

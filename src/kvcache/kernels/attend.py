@@ -9,7 +9,10 @@ every row's partial sums. Turbo values are summed in their rotated domain and ro
 once per output row, in the merge. With 4-bit affine keys (int4) and int8 keys every row
 scores with its query rounded to int16 steps (``int16_steps``): the kernel meets the key
 codes in int16 products (csrc/tiles.h), and the prompt tiles use the same rounded query, so
-that a row's attention is one softmax whichever path computed its parts.
+that a row's attention is one softmax whichever path computed its parts. Turbo keys of 2-5
+bits after RoPE do the same in the codes' rotated domain (``turbo_steps``): their codebook
+levels lie on int16 steps (codecs/codebook.py) and the kernel looks them up as int16
+(csrc/readers.cpp, qk_turbo16_rows).
 
     q [T, Hq, D] (query head hq reads KV head hq // G)  ->  out [T, Hq, D] float32
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.codecs.base import AFFINE_ROWS, INT8, Layout
+from kvcache.codecs.base import AFFINE_ROWS, INT8, TURBO, Layout
 from kvcache.kernels.build import extension
 from kvcache.kernels.plan import AttentionPlan, Tile
 
@@ -67,6 +70,49 @@ def int16_steps(q: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.round(qs / step) * step / scale
 
 
+def turbo16_keys(keys: Layout, pre_rope: bool, dim: int) -> bool:
+    """Whether turbo keys are scored in int16 steps of the rotated query (``turbo_steps``;
+    csrc/readers.cpp, turbo_keys16): 2 to 5 bits after RoPE, head_dim a multiple of 64, no
+    padding of the rotated rows."""
+    return (
+        keys.kind == TURBO
+        and 2 <= keys.bits <= 5
+        and not pre_rope
+        and not keys.rotated
+        and dim % 64 == 0
+        and keys.data.shape[-1] * keys.data.element_size() * 8 == dim * keys.bits
+    )
+
+
+def turbo_steps(q: torch.Tensor, scale: float, signs: torch.Tensor) -> torch.Tensor:
+    """``q`` [T, Hq, D] float32 as turbo keys score it: each row of ``q * scale`` rotated into
+    its KV head's codes' domain (``signs`` [Hkv, D]: y = fwht(x * signs / sqrt(D))), rounded
+    there to ``int16_steps`` and rotated back, in the kernel's float32 operations and order
+    (csrc/readers.cpp, turbo_query16: the same bits)."""
+    t, hq, d = q.shape
+    hkv = signs.shape[0]
+    norm = torch.tensor(1.0) / torch.sqrt(torch.tensor(float(d)))  # float32, as the kernel's
+    x = q.reshape(t, hkv, hq // hkv, d) * scale
+    y = _butterflies(x * signs[:, None, :] * norm)
+    step = y.abs().amax(dim=-1, keepdim=True) / 32767
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    y = torch.round(y / step) * step
+    return (_butterflies(y) * (norm * signs[:, None, :])).reshape(t, hq, d) / scale
+
+
+def _butterflies(x: torch.Tensor) -> torch.Tensor:
+    """The unnormalised Walsh-Hadamard transform of the last axis (Sylvester order), one
+    butterfly stage at a time as the kernel's fwht: (a, b) -> (a + b, a - b)."""
+    d = x.shape[-1]
+    half = 1
+    while half < d:
+        pairs = x.reshape(*x.shape[:-1], d // (2 * half), 2, half)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(x.shape)
+        half *= 2
+    return x
+
+
 def attend(
     q: torch.Tensor,
     plan: AttentionPlan,
@@ -86,6 +132,8 @@ def attend(
         # the prompt tiles score with the kernel's rounded query (a decode-only call leaves
         # the rounding to the kernel: the same steps, without ~10 torch ops a layer)
         q32 = int16_steps(q32, scale)
+    elif plan.tiles and turbo16_keys(keys, pre_rope, q32.shape[-1]):
+        q32 = turbo_steps(q32, scale, keys.signs)
     k_args = layout_args(keys, pre_rope)
     v_args = layout_args(values, False)
     cos, sin = rope if rope is not None else (_EMPTY, _EMPTY)

@@ -203,7 +203,17 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
       }
     }
   }
-  if (turbo_keys_direct(kr)) {  // turbo keys: each query row in the codes' domain
+  // turbo keys: each query row in the codes' domain, in int16 steps where the codes meet
+  // them in int16 products (turbo_keys16; the row then scores as those steps rotated back,
+  // whichever path a tile takes), else as floats
+  if (turbo_keys16(kr)) {
+    w.q16.resize(H * R * D);
+    w.qscale.resize(H * R);
+    w.qrot.resize(H * R * D);
+    for (int64_t r = 0; r < H * R; ++r)
+      w.qscale[r] = turbo_query16(kr, r / R, w.q.data() + r * D, w.qrot.data() + r * D,
+                                  w.q16.data() + r * D);
+  } else if (turbo_keys_direct(kr)) {
     w.qrot.resize(H * R * D);
     for (int64_t r = 0; r < H * R; ++r)
       turbo_query(kr, r / R, w.q.data() + r * D, w.qrot.data() + r * D);
@@ -293,8 +303,12 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
           qk_kivi_rows(w.q.data() + r0 * D, (int)G, w.kivi, ja, jb, (int)D, sc0, ls);
 #endif
         } else if (kd == Direct::TURBO) {
-          qk_turbo_rows(kr, w.qrot.data() + r0 * D, (int)G, (int)(e * G), w.turbo, ja, jb, sc0,
-                        ls);
+          if (KVK_AVX2 && turbo_keys16(kr) && w.turbo.exact16)
+            qk_turbo16_rows(kr, w.q16.data() + r0 * D, w.qscale.data() + r0, (int)G,
+                            (int)(e * G), w.turbo, ja, jb, sc0, ls);
+          else  // float levels (off the int16 grid, or other bits)
+            qk_turbo_rows(kr, w.qrot.data() + r0 * D, (int)G, (int)(e * G), w.turbo, ja, jb,
+                          sc0, ls);
           if (kr.meta_a != nullptr && !kr.centre_rope)  // a centre as it is
             add_centre_scores(kr, h, cells, ja, jb, w.q.data() + r0 * D, (int)G, w.dots.data(),
                               sc0);
@@ -656,6 +670,30 @@ std::vector<at::Tensor> query_steps16(const at::Tensor& q, bool nibble_order) {
   return {rounded, q16, step};
 }
 
+// Rows q [R, D] (scaled) as turbo keys score them against a head of sign flips `signs` [D]:
+// rotated into the codes' domain and rounded to int16 steps (q16 [R, D], step [R]), and the
+// query those steps rotate back to (turbo_query16).
+std::vector<at::Tensor> turbo_steps16(const at::Tensor& q, const at::Tensor& signs) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.size(1) % 64 == 0 &&
+                  q.size(1) <= kMaxDim,
+              "kvcache kernel: turbo_steps16 takes float32 rows [R, D], D a multiple of 64");
+  TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.dim() == 1 && signs.size(0) == q.size(1),
+              "kvcache kernel: turbo_steps16 takes float32 signs [D]");
+  const int64_t R = q.size(0), D = q.size(1);
+  at::Tensor s = signs.contiguous();
+  Reader r;
+  r.D = D;
+  r.signs = s.data_ptr<float>();
+  at::Tensor rounded = q.contiguous().clone();
+  at::Tensor q16 = at::empty({R, D}, at::TensorOptions().dtype(at::kShort));
+  at::Tensor step = at::empty({R}, at::TensorOptions().dtype(at::kFloat));
+  std::vector<float> qrot(D);
+  for (int64_t i = 0; i < R; ++i)
+    step.data_ptr<float>()[i] = turbo_query16(r, 0, rounded.data_ptr<float>() + i * D,
+                                              qrot.data(), q16.data_ptr<int16_t>() + i * D);
+  return {rounded, q16, step};
+}
+
 // Distinct threads that ran the items of an at::parallel_for over n items: torch's thread
 // count when the extension is built with OpenMP, 1 when it is not (ATen's parallel_for is a
 // header whose `omp parallel` pragma a build without -fopenmp silently ignores).
@@ -703,6 +741,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
   m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit, 8-bit keys)",
         py::arg("q"), py::arg("nibble_order") = true);
+  m.def("turbo_steps16", &kvk::turbo_steps16, "queries as turbo keys score them (int16 steps)");
   m.def("encode_int8", &kvk::encode_int8, "int8 codes and scales of rows, into their cells");
   m.def("encode_affine", &kvk::encode_affine, "affine codes, scales, minimums, into cells");
   m.def("range_channels", &kvk::range_channels, "a record's channel ranges over its rows");

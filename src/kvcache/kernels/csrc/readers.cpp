@@ -167,6 +167,43 @@ inline __m256 fwht8(__m256 v) {
   s = _mm256_permute2f128_ps(v, v, 1);  // len 4
   return _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xF0);
 }
+
+// 16 codes of B bits (2B bytes; group g of a 64-channel block) -> 16 words in channel order:
+// a 16-byte load (clamped to end at the block's end: never past the row) broadcast to both
+// lanes, each word gathering the one or two bytes of its code (pshufb), the code moved to
+// the word's top bits (a multiply by 2^(16 - B - shift): AVX2 has no per-word shift) and down
+template <int B>
+struct Codes16 {
+  alignas(32) int8_t shuf[4][32];
+  alignas(32) int16_t mult[4][16];
+  int off[4];
+  constexpr Codes16() : shuf(), mult(), off() {
+    for (int g = 0; g < 4; ++g) {
+      off[g] = 2 * B * g < 8 * B - 16 ? 2 * B * g : 8 * B - 16;
+      const int delta = 2 * B * g - off[g];
+      for (int c = 0; c < 16; ++c) {
+        const int bit = B * c, byte = bit / 8 + delta, shift = bit % 8;
+        const bool two = shift + B > 8;
+        if (byte + (two ? 1 : 0) > 15) throw "a code outside its 16-byte load";
+        shuf[g][16 * (c / 8) + 2 * (c % 8)] = (int8_t)byte;
+        shuf[g][16 * (c / 8) + 2 * (c % 8) + 1] = two ? (int8_t)(byte + 1) : (int8_t)-128;
+        mult[g][c] = (int16_t)(uint16_t)(1u << (16 - B - shift));
+      }
+    }
+  }
+};
+template <int B>
+inline constexpr Codes16<B> kCodes16{};
+
+template <int B>
+inline __m256i codes16(const uint8_t* block, int g) {
+  const __m256i raw = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodes16<B>.off[g])));
+  const __m256i w = _mm256_shuffle_epi8(
+      raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(kCodes16<B>.shuf[g])));
+  const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCodes16<B>.mult[g]));
+  return _mm256_srli_epi16(_mm256_mullo_epi16(w, m), 16 - B);
+}
 #endif
 
 template <int BITS>
@@ -589,19 +626,28 @@ template <int BITS, int NR>
 inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int jb, int c0,
                           float* acc, LineStream* ls) {
   Steps st(ls);
-  const int width = D * BITS / 8;
+  [[maybe_unused]] const int width = D * BITS / 8;  // (the 16-channel path reads groups)
   constexpr int every = 64 / (kPvRegs * TV::W) * 2 - 1;  // 64 channels: every other cell
   TV::V a[NR][kPvRegs];
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < kPvRegs; ++k) a[r][k] = TV::load(acc + r * D + c0 + TV::W * k);
   for (int j = ja; j < jb; ++j) {
     if ((j & every) == 0) st.step();
-    TV::V pv[NR];
+    TV::V pv[NR], lv[kPvRegs];
     for (int r = 0; r < NR; ++r) pv[r] = TV::set1(p[r * BLK + j]);
-    for (int k = 0; k < kPvRegs; ++k) {
-      const TV::V lv = TV::levels<BITS>(t.table, t.rows[j], c0 + TV::W * k, width);
-      for (int r = 0; r < NR; ++r) a[r][k] = TV::fma(pv[r], lv, a[r][k]);
+#if !KVK_AVX512
+    if constexpr (BITS >= 2 && BITS <= 5) {  // the 16 channels: one group of codes16
+      const __m256i w = codes16<BITS>(t.rows[j] + c0 / 64 * 8 * BITS, c0 % 64 / 16);
+      lv[0] = lookup8<BITS>(t.table, _mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)));
+      lv[1] = lookup8<BITS>(t.table, _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)));
+    } else
+#endif
+    {
+      for (int k = 0; k < kPvRegs; ++k)
+        lv[k] = TV::levels<BITS>(t.table, t.rows[j], c0 + TV::W * k, width);
     }
+    for (int k = 0; k < kPvRegs; ++k)
+      for (int r = 0; r < NR; ++r) a[r][k] = TV::fma(pv[r], lv[k], a[r][k]);
   }
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < kPvRegs; ++k) TV::store(acc + r * D + c0 + TV::W * k, a[r][k]);
@@ -645,6 +691,135 @@ void qk_turbo_tile(const float* qrot, int rows, int D, int row0, const TurboRows
   }
 }
 
+// ---- turbo keys in int16 products (turbo_keys16) ---------------------------------------
+// the int16 levels of two groups' codes (words 0..31), each in channel order: the codes
+// packed to bytes, looked up as low and high bytes (pshufb: 16 entries; with 5 bits codes
+// 16-31 index the second table: +0x70 sets bit 7, which zeroes a pshufb lane, for codes >= 16,
+// and ^0x80 flips that), interleaved back into words
+template <int B>
+inline void levels32(const __m256i lut[4], __m256i ca, __m256i cb, __m256i* la, __m256i* lb) {
+  const __m256i p = _mm256_packus_epi16(ca, cb);  // lane L: a's words of lane L, then b's
+  __m256i lo, hi;
+  if constexpr (B <= 4) {
+    lo = _mm256_shuffle_epi8(lut[0], p);
+    hi = _mm256_shuffle_epi8(lut[2], p);
+  } else {
+    const __m256i x0 = _mm256_add_epi8(p, _mm256_set1_epi8(0x70));
+    const __m256i x1 = _mm256_xor_si256(x0, _mm256_set1_epi8((char)0x80));
+    lo = _mm256_or_si256(_mm256_shuffle_epi8(lut[0], x0), _mm256_shuffle_epi8(lut[1], x1));
+    hi = _mm256_or_si256(_mm256_shuffle_epi8(lut[2], x0), _mm256_shuffle_epi8(lut[3], x1));
+  }
+  *la = _mm256_unpacklo_epi8(lo, hi);
+  *lb = _mm256_unpackhi_epi8(lo, hi);
+}
+
+// Scores of NR rows against NC cells from j: per 64-channel block the int16 levels meet the
+// query steps in vpmaddwd, summed exactly in int32 (8 products a lane), converted once per
+// block; times qstep * lstep * the cell's norm
+template <int B, int NR, int NC>
+inline void qk_turbo16_cells(const int16_t* q16, const float* qstep, int D, const TurboRows& t,
+                             const __m256i lut[4], int j, float* sc, Steps& st) {
+  __m256 f[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) f[r][c] = _mm256_setzero_ps();
+  for (int b0 = 0; b0 < D; b0 += 64) {
+    st.step();
+    __m256i acc[NR][NC];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_si256();
+    for (int k = 0; k < 2; ++k) {
+      for (int c = 0; c < NC; ++c) {
+        const uint8_t* block = t.rows[j + c] + b0 / 64 * 8 * B;
+        __m256i la, lb;
+        levels32<B>(lut, codes16<B>(block, 2 * k), codes16<B>(block, 2 * k + 1), &la, &lb);
+        for (int r = 0; r < NR; ++r) {
+          const __m256i* qv = reinterpret_cast<const __m256i*>(q16 + r * D + b0 + 32 * k);
+          acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(_mm256_loadu_si256(qv), la));
+          acc[r][c] =
+              _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(_mm256_loadu_si256(qv + 1), lb));
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NC; ++c) f[r][c] = _mm256_add_ps(f[r][c], _mm256_cvtepi32_ps(acc[r][c]));
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c)
+      sc[r * BLK + j + c] = hsum8(f[r][c]) * (qstep[r] * t.lstep * t.s[j + c]);
+}
+
+// sc[r * BLK + j + c] += <A | B of row r, cos | sin of cell j + c> for NR rows and NC cells
+// whose A | B blocks are ab [NR, D] (CENTRE_ROPE; cells of one record share them): channels
+// outer, so that the NR x NC sums are independent FMA chains, the A | B rows read from L1 by
+// each cell's FMAs (a register for each would spill the sums)
+template <int NR, int NC>
+inline void centre_rope_cells(int D, const float* ab, const TurboRows& t, int j, float* sc) {
+  const int half = D / 2;
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int i = 0; i < half; i += 8) {
+    for (int c = 0; c < NC; ++c) {
+      const __m256 cv = _mm256_loadu_ps(t.cs[j + c] + i), sv = _mm256_loadu_ps(t.sn[j + c] + i);
+      for (int r = 0; r < NR; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + r * D + i), cv, acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + r * D + half + i), sv, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    if constexpr (NC == 4) {
+      const __m128 add = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      _mm_storeu_ps(sc + r * BLK + j, _mm_add_ps(_mm_loadu_ps(sc + r * BLK + j), add));
+    } else {
+      for (int c = 0; c < NC; ++c) sc[r * BLK + j + c] += hsum8(acc[r][c]);
+    }
+  }
+}
+
+template <int NR>
+inline void centre_rope_tile(int D, int row0, const TurboRows& t, int ja, int jb, float* sc) {
+  int j = ja;
+  for (; j + 4 <= jb; j += 4)
+    if (t.ab[j] == t.ab[j + 3])  // one record: one A | B block
+      centre_rope_cells<NR, 4>(D, t.ab[j] + (int64_t)row0 * D, t, j, sc);
+    else
+      for (int c = 0; c < 4; ++c)
+        centre_rope_cells<NR, 1>(D, t.ab[j + c] + (int64_t)row0 * D, t, j + c, sc);
+  for (; j < jb; ++j) centre_rope_cells<NR, 1>(D, t.ab[j] + (int64_t)row0 * D, t, j, sc);
+}
+
+template <int B, bool CENTRE>
+void qk_turbo16_tile(const int16_t* q16, const float* qstep, int rows, int D, int row0,
+                     const TurboRows& t, int ja, int jb, float* sc, LineStream* ls) {
+  Steps st(ls);
+  __m256i lut[4];
+  for (int k = 0; k < 4; ++k)
+    lut[k] = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t.lut[k])));
+  for (int r = 0; r < rows; r += 3) {
+    const int16_t* qr = q16 + (int64_t)r * D;
+    const float* qs = qstep + r;
+    float* s = sc + r * BLK;
+    const int nr = rows - r < 3 ? rows - r : 3, r0 = row0 + r;
+    int j = ja;
+    for (; j + 2 <= jb; j += 2) {
+      if (nr == 1) qk_turbo16_cells<B, 1, 2>(qr, qs, D, t, lut, j, s, st);
+      else if (nr == 2) qk_turbo16_cells<B, 2, 2>(qr, qs, D, t, lut, j, s, st);
+      else qk_turbo16_cells<B, 3, 2>(qr, qs, D, t, lut, j, s, st);
+    }
+    for (; j < jb; ++j) {
+      if (nr == 1) qk_turbo16_cells<B, 1, 1>(qr, qs, D, t, lut, j, s, st);
+      else if (nr == 2) qk_turbo16_cells<B, 2, 1>(qr, qs, D, t, lut, j, s, st);
+      else qk_turbo16_cells<B, 3, 1>(qr, qs, D, t, lut, j, s, st);
+    }
+    if constexpr (CENTRE) {
+      if (nr == 1) centre_rope_tile<1>(D, r0, t, ja, jb, s);
+      else if (nr == 2) centre_rope_tile<2>(D, r0, t, ja, jb, s);
+      else centre_rope_tile<3>(D, r0, t, ja, jb, s);
+    }
+  }
+}
+
 #endif
 
 }  // namespace
@@ -671,6 +846,19 @@ void turbo_query(const Reader& r, int64_t h, const float* q, float* out) {
   fwht(out, r.D);
 }
 
+bool turbo_keys16(const Reader& r) {
+  return r.kind == TURBO && !r.rotated && !r.pre_rope && r.D % 64 == 0 && r.bits >= 2 &&
+         r.bits <= 5 && r.data_head * 8 == r.D * r.bits;
+}
+
+float turbo_query16(const Reader& r, int64_t h, float* q, float* qrot, int16_t* q16) {
+  turbo_query(r, h, q, qrot);
+  const float step = quantize_query16(qrot, (int)r.D, q16, false);  // qrot: its steps
+  std::copy(qrot, qrot + r.D, q);
+  turbo_unrotate(r.signs + h * r.D, q, r.D);  // back: fwht(y) / sqrt(D) * signs
+  return step;
+}
+
 bool turbo_values_direct(const Reader& r) {
   return KVK_AVX2 && r.kind == TURBO && r.rotated && r.D % 64 == 0 &&
          r.data_head * 8 == r.D * r.bits;
@@ -678,13 +866,29 @@ bool turbo_values_direct(const Reader& r) {
 
 void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b, TurboRows& t) {
   code_rows(r, h, cells, a, b, t.rows);
-  const int levels = 1 << r.bits;  // the lookups read 32 entries at most below 6 bits
-  std::copy(r.centroids, r.centroids + levels, t.table);
-  std::fill(t.table + levels, t.table + std::max(levels, 32), 0.f);
   for (int j = a; j < b; ++j) {
     const int64_t m = cells[j] * r.H + h;
     t.s[j] = turbo_norm(r, m);
     t.ab[j] = nullptr;
+  }
+  const int levels = 1 << r.bits;  // the lookups read 32 entries at most below 6 bits
+  if (t.levels == levels && std::equal(r.centroids, r.centroids + levels, t.table)) return;
+  t.levels = levels;  // the tables of a new codebook (once per work item and codec, mostly)
+  std::copy(r.centroids, r.centroids + levels, t.table);
+  std::fill(t.table + levels, t.table + std::max(levels, 32), 0.f);
+  t.exact16 = false;
+  if (levels <= 32) {  // int16 steps of max |level| / 8191 (codebook.py's grid)
+    float top = 0.f;
+    for (int c = 0; c < levels; ++c) top = std::max(top, std::fabs(t.table[c]));
+    t.lstep = top / 8191.f;
+    t.exact16 = top > 0.f;
+    for (int c = 0; c < 32; ++c) {
+      const float k = c < levels && top > 0.f ? std::nearbyint(t.table[c] / t.lstep) : 0.f;
+      t.exact16 = t.exact16 && std::fabs(k * t.lstep - t.table[c]) <= top * 0x1p-20f;
+      const uint16_t word = (uint16_t)(int16_t)k;
+      t.lut[c / 16][c % 16] = (uint8_t)(word & 0xff);
+      t.lut[2 + c / 16][c % 16] = (uint8_t)(word >> 8);
+    }
   }
 }
 
@@ -740,6 +944,29 @@ void pv_turbo_rows(const Reader& r, const float* p, int rows, const TurboRows& t
 #else
   (void)r, (void)p, (void)rows, (void)t, (void)ja, (void)jb, (void)acc, (void)ls;
   TORCH_CHECK(false, "kvcache kernel: turbo values from codes need AVX2");
+#endif
+}
+
+void qk_turbo16_rows(const Reader& r, const int16_t* q16, const float* qstep, int rows,
+                     int row0, const TurboRows& t, int ja, int jb, float* sc, LineStream* ls) {
+#if KVK_AVX2
+  TORCH_CHECK(turbo_keys16(r) && t.exact16, "kvcache kernel: turbo keys not in int16 steps");
+  const int D = (int)r.D;
+  auto run = [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if (r.centre_rope) qk_turbo16_tile<B, true>(q16, qstep, rows, D, row0, t, ja, jb, sc, ls);
+    else qk_turbo16_tile<B, false>(q16, qstep, rows, D, row0, t, ja, jb, sc, ls);
+  };
+  switch (r.bits) {
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    default: run(std::integral_constant<int, 5>{}); break;
+  }
+#else
+  (void)r, (void)q16, (void)qstep, (void)rows, (void)row0, (void)t, (void)ja, (void)jb;
+  (void)sc, (void)ls;
+  TORCH_CHECK(false, "kvcache kernel: turbo keys in int16 steps need AVX2");
 #endif
 }
 

@@ -124,7 +124,26 @@ struct TurboRows {
   const float *cs[BLK], *sn[BLK];  // the cos and sin rows [D/2] of the cell's position
   float table[256];             // the codebook levels, zero-padded to 32 at least
   std::vector<float> abs;       // the records' A | B blocks
+  // the levels as int16 steps of lstep (up to 32 levels): low bytes of levels 0-15, 16-31,
+  // high bytes of 0-15, 16-31 (pshufb tables); exact16: every level is such a step
+  alignas(16) uint8_t lut[4][16];
+  float lstep = 0.f;
+  bool exact16 = false;
+  int levels = 0;  // the codebook the tables hold (2^bits levels; 0: none yet)
 };
+
+// Turbo keys scored in int16 products (keys16): 2 to 5 bits, after RoPE (or centred with
+// CENTRE_ROPE), D a multiple of 64, no padding. The codebook's levels lie on steps of
+// max |level| / 8191 (codecs/codebook.py), the query rotated into the codes' domain is
+// rounded to int16 steps (turbo_query16), and <qrot, L[codes]> is summed exactly in int32
+// (8 products a lane: 8 * 8191 * 32767 < 2^31).
+bool turbo_keys16(const Reader& r);
+
+// qrot [D] = the codes' domain query of q [D] (scaled) for head h rounded to int16 steps
+// (q16; returned: the step), and q rewritten as the query those steps rotate back to, the
+// query every score of the row uses (window rows and centres too). As attend.py's
+// turbo_steps.
+float turbo_query16(const Reader& r, int64_t h, float* q, float* qrot, int16_t* q16);
 
 // Whether turbo values can be summed from their codes (in the rotated domain): D a multiple
 // of 64, no padding.
@@ -148,6 +167,11 @@ void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b
 // caller has multiplied p by the cells' norms), g < rows, j in [ja, jb)
 void pv_turbo_rows(const Reader& r, const float* p, int rows, const TurboRows& t, int ja, int jb,
                    float* acc, LineStream* ls);
+
+// The same from int16 query steps: q16 [rows, D] and their steps qstep [rows]
+// (turbo_query16), t.exact16 (AVX2).
+void qk_turbo16_rows(const Reader& r, const int16_t* q16, const float* qstep, int rows,
+                     int row0, const TurboRows& t, int ja, int jb, float* sc, LineStream* ls);
 
 // sc[g * BLK + j] = <query row g, key j> for g < rows, j in [ja, jb): qrot [rows, D] the rows
 // in the codes' domain, row0 the first row's index in t's A | B blocks.
