@@ -168,8 +168,8 @@ void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b
 void pv_turbo_rows(const Reader& r, const float* p, int rows, const TurboRows& t, int ja, int jb,
                    float* acc, LineStream* ls);
 
-// The same from int16 query steps: q16 [rows, D] and their steps qstep [rows]
-// (turbo_query16), t.exact16 (AVX2).
+// The scores of qk_turbo_rows (below) from int16 query steps: q16 [rows, D] and their steps
+// qstep [rows] (turbo_query16); needs turbo_keys16(r), t.exact16 and AVX2.
 void qk_turbo16_rows(const Reader& r, const int16_t* q16, const float* qstep, int rows,
                      int row0, const TurboRows& t, int ja, int jb, float* sc, LineStream* ls);
 
