@@ -23,8 +23,8 @@ H, G, D = 3, 3, 64
 ROPE = Rope(D, 10000.0)
 CODECS = [
     "fp32", "fp16", "bf16", "int8", "int4", "int4:recent=0", "kivi4", "kivi2",
-    "turbo4", "turbo3", "int8/int4",
-]  # fmt: skip
+    "turbo4", "turbo3", "turbo4:key_bits=6", "int8/int4",
+]  # fmt: skip  (6-bit turbo keys: the float-level path, beside turbo_keys16's 2-5 bits)
 POLICIES = {
     "causal": {},
     "window": {"window": 150},

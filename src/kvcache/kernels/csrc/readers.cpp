@@ -581,12 +581,61 @@ struct TurboVec : Vec8 {
 #if KVK_AVX2
 using TV = TurboVec;
 
+// sc[r * BLK + j + c] += <A | B of row r, cos | sin of cell j + c> for NR rows and NC cells
+// whose A | B blocks are ab [NR, D] (CENTRE_ROPE; cells of one record share them): channels
+// outer, so that the NR x NC sums are independent FMA chains, the A | B rows read from L1 by
+// each cell's FMAs (a register for each would spill the sums)
+template <int NR, int NC>
+inline void centre_rope_cells(int D, const float* ab, const TurboRows& t, int j, float* sc) {
+  const int half = D / 2;
+  __m256 acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int i = 0; i < half; i += 8) {
+    for (int c = 0; c < NC; ++c) {
+      const __m256 cv = _mm256_loadu_ps(t.cs[j + c] + i), sv = _mm256_loadu_ps(t.sn[j + c] + i);
+      for (int r = 0; r < NR; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + r * D + i), cv, acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + r * D + half + i), sv, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    if constexpr (NC == 4) {
+      const __m128 add = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      _mm_storeu_ps(sc + r * BLK + j, _mm_add_ps(_mm_loadu_ps(sc + r * BLK + j), add));
+    } else {
+      for (int c = 0; c < NC; ++c) sc[r * BLK + j + c] += hsum8(acc[r][c]);
+    }
+  }
+}
+
+template <int NR>
+inline void centre_rope_tile(int D, int row0, const TurboRows& t, int ja, int jb, float* sc) {
+  int j = ja;
+  for (; j + 4 <= jb; j += 4)
+    if (t.ab[j] == t.ab[j + 3])  // one record: one A | B block
+      centre_rope_cells<NR, 4>(D, t.ab[j] + (int64_t)row0 * D, t, j, sc);
+    else
+      for (int c = 0; c < 4; ++c)
+        centre_rope_cells<NR, 1>(D, t.ab[j + c] + (int64_t)row0 * D, t, j + c, sc);
+  for (; j < jb; ++j) centre_rope_cells<NR, 1>(D, t.ab[j] + (int64_t)row0 * D, t, j, sc);
+}
+
+// the centre part of the scores of rows [r0, r0 + nr) (nr <= 3), sc their first row's
+inline void centre_rope_rows(int nr, int D, int r0, const TurboRows& t, int ja, int jb,
+                             float* sc) {
+  if (nr == 1) centre_rope_tile<1>(D, r0, t, ja, jb, sc);
+  else if (nr == 2) centre_rope_tile<2>(D, r0, t, ja, jb, sc);
+  else centre_rope_tile<3>(D, r0, t, ja, jb, sc);
+}
+
 // Scores of NR query rows against NC (kCells or 1) cells from j: per step, the levels of W codes
-// of each half of the row times the cell's norm meet the rotated query rows, and (CENTRE) the
-// A | B blocks meet the cos | sin rows; the next tile fetched one step per 16 channels
-template <int BITS, int NR, int NC, bool CENTRE>
-inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& t, int j,
-                           float* sc, Steps& st) {
+// of each half of the row times the cell's norm meet the rotated query rows; the next tile
+// fetched one step per 16 channels
+template <int BITS, int NR, int NC>
+inline void qk_turbo_cells(const float* qrot, int D, const TurboRows& t, int j, float* sc,
+                           Steps& st) {
   const int half = D / 2, width = D * BITS / 8;
   TV::V acc[NR][NC];
   for (int r = 0; r < NR; ++r)
@@ -600,16 +649,6 @@ inline void qk_turbo_cells(const float* qrot, int D, int row0, const TurboRows& 
         const TV::V lv = TV::mul(TV::levels<BITS>(t.table, t.rows[j + c], part, width),
                                  TV::set1(t.s[j + c]));
         for (int r = 0; r < NR; ++r) acc[r][c] = TV::fma(qv[r], lv, acc[r][c]);
-      }
-    }
-    if constexpr (CENTRE) {
-      for (int c = 0; c < NC; ++c) {
-        const TV::V cv = TV::load(t.cs[j + c] + i), sv = TV::load(t.sn[j + c] + i);
-        for (int r = 0; r < NR; ++r) {
-          const float* ab = t.ab[j + c] + (int64_t)(row0 + r) * D;
-          acc[r][c] = TV::fma(TV::load(ab + i), cv, acc[r][c]);
-          acc[r][c] = TV::fma(TV::load(ab + half + i), sv, acc[r][c]);
-        }
       }
     }
   }
@@ -679,15 +718,16 @@ void qk_turbo_tile(const float* qrot, int rows, int D, int row0, const TurboRows
     const int nr = rows - r < 3 ? rows - r : 3, r0 = row0 + r;
     int j = ja;
     for (; j + kCells <= jb; j += kCells) {
-      if (nr == 1) qk_turbo_cells<BITS, 1, kCells, CENTRE>(qr, D, r0, t, j, s, st);
-      else if (nr == 2) qk_turbo_cells<BITS, 2, kCells, CENTRE>(qr, D, r0, t, j, s, st);
-      else qk_turbo_cells<BITS, 3, kCells, CENTRE>(qr, D, r0, t, j, s, st);
+      if (nr == 1) qk_turbo_cells<BITS, 1, kCells>(qr, D, t, j, s, st);
+      else if (nr == 2) qk_turbo_cells<BITS, 2, kCells>(qr, D, t, j, s, st);
+      else qk_turbo_cells<BITS, 3, kCells>(qr, D, t, j, s, st);
     }
     for (; j < jb; ++j) {
-      if (nr == 1) qk_turbo_cells<BITS, 1, 1, CENTRE>(qr, D, r0, t, j, s, st);
-      else if (nr == 2) qk_turbo_cells<BITS, 2, 1, CENTRE>(qr, D, r0, t, j, s, st);
-      else qk_turbo_cells<BITS, 3, 1, CENTRE>(qr, D, r0, t, j, s, st);
+      if (nr == 1) qk_turbo_cells<BITS, 1, 1>(qr, D, t, j, s, st);
+      else if (nr == 2) qk_turbo_cells<BITS, 2, 1>(qr, D, t, j, s, st);
+      else qk_turbo_cells<BITS, 3, 1>(qr, D, t, j, s, st);
     }
+    if constexpr (CENTRE) centre_rope_rows(nr, D, r0, t, ja, jb, s);
   }
 }
 
@@ -748,47 +788,6 @@ inline void qk_turbo16_cells(const int16_t* q16, const float* qstep, int D, cons
       sc[r * BLK + j + c] = hsum8(f[r][c]) * (qstep[r] * t.lstep * t.s[j + c]);
 }
 
-// sc[r * BLK + j + c] += <A | B of row r, cos | sin of cell j + c> for NR rows and NC cells
-// whose A | B blocks are ab [NR, D] (CENTRE_ROPE; cells of one record share them): channels
-// outer, so that the NR x NC sums are independent FMA chains, the A | B rows read from L1 by
-// each cell's FMAs (a register for each would spill the sums)
-template <int NR, int NC>
-inline void centre_rope_cells(int D, const float* ab, const TurboRows& t, int j, float* sc) {
-  const int half = D / 2;
-  __m256 acc[NR][NC];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int i = 0; i < half; i += 8) {
-    for (int c = 0; c < NC; ++c) {
-      const __m256 cv = _mm256_loadu_ps(t.cs[j + c] + i), sv = _mm256_loadu_ps(t.sn[j + c] + i);
-      for (int r = 0; r < NR; ++r) {
-        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + r * D + i), cv, acc[r][c]);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + r * D + half + i), sv, acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r) {
-    if constexpr (NC == 4) {
-      const __m128 add = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-      _mm_storeu_ps(sc + r * BLK + j, _mm_add_ps(_mm_loadu_ps(sc + r * BLK + j), add));
-    } else {
-      for (int c = 0; c < NC; ++c) sc[r * BLK + j + c] += hsum8(acc[r][c]);
-    }
-  }
-}
-
-template <int NR>
-inline void centre_rope_tile(int D, int row0, const TurboRows& t, int ja, int jb, float* sc) {
-  int j = ja;
-  for (; j + 4 <= jb; j += 4)
-    if (t.ab[j] == t.ab[j + 3])  // one record: one A | B block
-      centre_rope_cells<NR, 4>(D, t.ab[j] + (int64_t)row0 * D, t, j, sc);
-    else
-      for (int c = 0; c < 4; ++c)
-        centre_rope_cells<NR, 1>(D, t.ab[j + c] + (int64_t)row0 * D, t, j + c, sc);
-  for (; j < jb; ++j) centre_rope_cells<NR, 1>(D, t.ab[j] + (int64_t)row0 * D, t, j, sc);
-}
-
 template <int B, bool CENTRE>
 void qk_turbo16_tile(const int16_t* q16, const float* qstep, int rows, int D, int row0,
                      const TurboRows& t, int ja, int jb, float* sc, LineStream* ls) {
@@ -812,11 +811,7 @@ void qk_turbo16_tile(const int16_t* q16, const float* qstep, int rows, int D, in
       else if (nr == 2) qk_turbo16_cells<B, 2, 1>(qr, qs, D, t, lut, j, s, st);
       else qk_turbo16_cells<B, 3, 1>(qr, qs, D, t, lut, j, s, st);
     }
-    if constexpr (CENTRE) {
-      if (nr == 1) centre_rope_tile<1>(D, r0, t, ja, jb, s);
-      else if (nr == 2) centre_rope_tile<2>(D, r0, t, ja, jb, s);
-      else centre_rope_tile<3>(D, r0, t, ja, jb, s);
-    }
+    if constexpr (CENTRE) centre_rope_rows(nr, D, r0, t, ja, jb, s);
   }
 }
 
@@ -952,17 +947,13 @@ void qk_turbo16_rows(const Reader& r, const int16_t* q16, const float* qstep, in
 #if KVK_AVX2
   TORCH_CHECK(turbo_keys16(r) && t.exact16, "kvcache kernel: turbo keys not in int16 steps");
   const int D = (int)r.D;
-  auto run = [&](auto bits) {
+  with_turbo_bits(r.bits, [&](auto bits) {
     constexpr int B = decltype(bits)::value;
-    if (r.centre_rope) qk_turbo16_tile<B, true>(q16, qstep, rows, D, row0, t, ja, jb, sc, ls);
-    else qk_turbo16_tile<B, false>(q16, qstep, rows, D, row0, t, ja, jb, sc, ls);
-  };
-  switch (r.bits) {
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    case 4: run(std::integral_constant<int, 4>{}); break;
-    default: run(std::integral_constant<int, 5>{}); break;
-  }
+    if constexpr (B >= 2 && B <= 5) {  // (turbo_keys16)
+      if (r.centre_rope) qk_turbo16_tile<B, true>(q16, qstep, rows, D, row0, t, ja, jb, sc, ls);
+      else qk_turbo16_tile<B, false>(q16, qstep, rows, D, row0, t, ja, jb, sc, ls);
+    }
+  });
 #else
   (void)r, (void)q16, (void)qstep, (void)rows, (void)row0, (void)t, (void)ja, (void)jb;
   (void)sc, (void)ls;
