@@ -21,10 +21,11 @@ from support import scoring_query
 
 H, G, D = 3, 3, 64
 ROPE = Rope(D, 10000.0)
+# turbo4:key_bits=6: the float-level key path, beside turbo_keys16's int16 one (2-5 bits)
 CODECS = [
     "fp32", "fp16", "bf16", "int8", "int4", "int4:recent=0", "kivi4", "kivi2",
     "turbo4", "turbo3", "turbo4:key_bits=6", "int8/int4",
-]  # fmt: skip  (6-bit turbo keys: the float-level path, beside turbo_keys16's 2-5 bits)
+]  # fmt: skip
 POLICIES = {
     "causal": {},
     "window": {"window": 150},
