@@ -6,8 +6,11 @@ by more (on the Ice Lake VM of 2026-11-25, 16 x 1k int4 attention took 36 to 65 
 from one run to the next). Here both extensions are loaded into one process, the cache
 (``cache.attention`` over every layer of a SmolLM2-shaped model, random K/V) is built once,
 and the builds take turns every ``--steps`` decode steps for ``--rounds`` rounds. Reported
-per codec and shape: each build's median over the rounds of its fastest step, and the
-median over rounds of the per-round ratio (this checkout / base: below 1 is faster).
+per codec and shape: each build's median over the rounds of its fastest step, the median
+over rounds of the per-round ratio (this checkout / base: below 1 is faster), its 95 %
+bootstrap interval (``ratio_lo``, ``ratio_hi``) and a verdict: faster or slower only where
+the interval leaves 1 out. Two builds of one source (``--base HEAD`` with csrc/ unchanged)
+are the check of the method: their interval must hold 1.
 Only the C++ kernels differ between the two: the Python around them is this checkout's.
 
     python benchmarks/kernel_ab.py                        # this checkout vs HEAD
@@ -20,6 +23,7 @@ import argparse
 import importlib.machinery
 import importlib.util
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -40,6 +44,7 @@ from kvcache.models.rope import Rope  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, KV_HEADS, Q_HEADS, DIM, THETA = 30, 3, 9, 64, 100000.0  # SmolLM2-135M
+BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median ratio
 
 
 def load_module(path: str) -> ModuleType:
@@ -113,15 +118,39 @@ def compare(
         attend.extension = extension  # type: ignore[assignment]
         cache.close()
     ours, base = fastest
+    ratios = [a / b for a, b in zip(ours, base, strict=True)]
+    lo, hi = median_interval(ratios)
     return {
         "codec": codec,
         "shape": f"{seqs}x{context}",
         "ours_ms": statistics.median(ours) * 1e3,
         "base_ms": statistics.median(base) * 1e3,
-        "ratio": statistics.median(a / b for a, b in zip(ours, base, strict=True)),
-        "ratio_min": min(a / b for a, b in zip(ours, base, strict=True)),
-        "ratio_max": max(a / b for a, b in zip(ours, base, strict=True)),
+        "ratio": statistics.median(ratios),
+        "ratio_lo": lo,
+        "ratio_hi": hi,
+        "verdict": verdict(lo, hi),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
     }
+
+
+def median_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A ``level`` bootstrap interval of the median of the per-round ratios (the rounds
+    resampled with replacement, a fixed seed). On the Zen 3 VM of 2026-11-27 two builds of
+    one source gave medians of 0.971 to 1.01 over 40 rounds, intervals 0.944 to 1.03
+    (results/kernel_ab_aa.json): a change of a few percent means something only where its
+    interval leaves 1 out."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP)
+    )
+    cut = int((1 - level) / 2 * BOOTSTRAP)
+    return medians[cut], medians[BOOTSTRAP - 1 - cut]
+
+
+def verdict(lo: float, hi: float) -> str:
+    """Faster or slower only where the interval of the ratio leaves 1 out."""
+    return "faster" if hi < 1 else "slower" if lo > 1 else "within noise"
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -145,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shapes", nargs="+", type=shape, default=[(16, 1024), (1, 8192)],
         help="SEQSxCONTEXT decode shapes (16x1024 1x8192)",
     )  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=12, help="turns each build takes (12)")
+    parser.add_argument("--rounds", type=int, default=40, help="turns each build takes (40)")
     parser.add_argument("--steps", type=int, default=4, help="decode steps a turn (4)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (2)")
     parser.add_argument("--json", default="kernel_ab", help="results/NAME.json (kernel_ab)")
@@ -160,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     base = load_module(build_base(args.base))
     jobs = [(c, s, n) for c in args.codecs for s, n in args.shapes]
     rows = [compare(c, s, n, [ours, base], args) for c, s, n in tqdm(jobs, desc="kernel A/B")]
-    print(table(rows, ["codec", "shape", "ours_ms", "base_ms", "ratio", "ratio_min", "ratio_max"]))
+    cols = ["codec", "shape", "ours_ms", "base_ms", "ratio", "ratio_lo", "ratio_hi", "verdict"]
+    print(table(rows, cols))
     path = write_json(args.json, {"base": args.base, "rows": rows})
     print(f"wrote {path}")
 

@@ -35,7 +35,22 @@ def test_compare_alternates_builds_and_puts_the_kernels_back() -> None:
     assert row["codec"] == "int8" and row["shape"] == "2x40"
     assert row["ours_ms"] > 0 and row["base_ms"] > 0
     assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+    assert row["ratio_lo"] <= row["ratio"] <= row["ratio_hi"]
+    assert row["verdict"] == ab.verdict(row["ratio_lo"], row["ratio_hi"])
     # warm-up round + 2 rounds, one step each, every layer's call to each build in turn
     per_turn = ab.LAYERS
     assert calls == (["ours"] * per_turn + ["base"] * per_turn) * 3
     assert attend.extension is extension
+
+
+def test_the_interval_of_the_median_ratio_decides_the_verdict() -> None:
+    # rounds split between two outcomes: the median could be either, or between
+    lo, hi = ab.median_interval([0.9] * 20 + [1.1] * 20)
+    assert (lo, hi) == (0.9, 1.1) and ab.verdict(lo, hi) == "within noise"
+    # every round faster by 5-9 %, one slow outlier: faster, the interval inside the rounds'
+    faster = [0.91 + 0.01 * (i % 5) for i in range(39)] + [1.5]
+    lo, hi = ab.median_interval(faster)
+    assert 0.91 <= lo <= 0.93 <= hi <= 0.95 and ab.verdict(lo, hi) == "faster"
+    lo, hi = ab.median_interval([1 / r for r in faster])
+    assert lo > 1 and ab.verdict(lo, hi) == "slower"
+    assert ab.median_interval([1.02] * 12) == (1.02, 1.02)
