@@ -15,6 +15,9 @@ unpressed cache. Three ways to choose what stays, each at every ``--caps`` value
               that head over the cells it still sees (window 64, pooling 5): head-wise
               budgets at the same share per head. Simulated in plain torch, mask only: the
               cache keeps every cell (``held_union`` is the share of cells some head kept)
+    headoracle  perhead's budgets, each (layer, KV head) choosing by the attention the next
+              ``--every`` queries of the unpressed run pay each cell it still sees (softmax
+              over those cells, summed over the head's query heads): the two bounds at once
 
 If ``oracle`` and ``perhead`` land where ``snapkv`` does, the press's choice is not what
 stands between it and the goal: the share of the history is.
@@ -48,7 +51,7 @@ from kvcache.models.llama import Llama  # noqa: E402
 from kvcache.press.base import Press, Scoring, newest_first, top_cells  # noqa: E402
 from kvcache.press.snapkv import KERNEL, WINDOW  # noqa: E402
 
-MODES = ("snapkv", "oracle", "perhead")
+MODES = ("snapkv", "oracle", "perhead", "headoracle")
 Queries = dict[int, tuple[torch.Tensor, np.ndarray]]  # layer -> q [N, Hq, D], positions [N]
 
 
@@ -153,14 +156,43 @@ class PerHead:
             self.valid[layer, :, :n] &= kept
 
 
+class PerHeadOracle(PerHead):
+    """PerHead whose heads choose by the attention of the queries to come (FutureAttention's
+    scores, one head's cells at a time)."""
+
+    def __init__(
+        self, cache: CausalCache, layers: int, heads: int, cells: int, future: Queries, every: int
+    ) -> None:
+        super().__init__(cache, layers, heads, cells)
+        self.future, self.every = future, every
+
+    def scores(self, layer: int, n: int) -> torch.Tensor:
+        keys = self.cache.read(layer, slice(0, n))[0]  # [n, Hkv, D]
+        q, qpos = self.future[layer]
+        q = q[torch.from_numpy((qpos >= n) & (qpos < n + self.every))]  # [w, Hq, D]
+        (w, hq, d), hkv = q.shape, keys.shape[1]
+        logits = torch.einsum("whgd,nhd->hgwn", q.view(w, hkv, hq // hkv, d), keys.to(q.dtype))
+        seen = self.valid[layer][:, None, None, :n]
+        p = torch.softmax((logits / math.sqrt(d)).masked_fill(~seen, float("-inf")), dim=-1)
+        s = p.sum(dim=(1, 2))  # [Hkv, n]
+        return s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
+
+
 def per_head(
-    model: Llama, tokens: list[int], prefill: int, cap: float, every: int
+    model: Llama,
+    tokens: list[int],
+    prefill: int,
+    cap: float,
+    every: int,
+    future: Queries | None = None,
 ) -> tuple[torch.Tensor, float, float]:
-    """Log-probs under head-wise eviction, the mean share each head saw and the mean share of
-    cells some head still saw (what a mask-only cache would have to hold)."""
+    """Log-probs under head-wise eviction (chosen by the queries to come where ``future`` is
+    given), the mean share each head saw and the mean share of cells some head still saw
+    (what a mask-only cache would have to hold)."""
     c = model.config
     cache = kq.make_cache(model, "fp32", len(tokens))
-    sim = PerHead(cache, c.num_layers, c.num_kv_heads, len(tokens))
+    shape = (cache, c.num_layers, c.num_kv_heads, len(tokens))
+    sim = PerHead(*shape) if future is None else PerHeadOracle(*shape, future, every)
     shares: list[tuple[float, float]] = []
 
     def after(i: int) -> None:
@@ -186,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, help=f"{' '.join(MODES)}")
     parser.add_argument("--every", type=int, default=16, help="decode steps between presses")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default="press_bounds", help="results name (.json, .png)")
     args = parser.parse_args(argv)
     args.caps = args.caps or ([0.25] if args.quick else [0.25, 0.5])
     args.modes = args.modes or (["snapkv", "perhead"] if args.quick else list(MODES))
@@ -204,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         for cap in args.caps:
             for mode in tqdm(args.modes, desc=f"cap {cap:g}", unit="mode"):
                 union = None
-                if mode == "perhead":
-                    lp, held, union = per_head(model, tokens, kq.PREFILL, cap, args.every)
+                if mode in ("perhead", "headoracle"):
+                    future = queries if mode == "headoracle" else None
+                    lp, held, union = per_head(model, tokens, kq.PREFILL, cap, args.every, future)
                 else:
                     press = make_press("snapkv:0.5") if mode == "snapkv" else None  # ratio unused
                     press = press or FutureAttention(queries, args.every)
@@ -215,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows[-1]["dppl_pct"] = 100 * (q["ppl"] / ppl - 1)
                 print(table(rows[-1:], list(rows[-1])), flush=True)
     print(f"\nunpressed fp32 PPL {ppl:.3f}\n{table(rows, list(rows[0]))}")
-    path = write_json("press_bounds", {"ppl": ppl, "every": args.every, "rows": rows})
+    path = write_json(args.json, {"ppl": ppl, "every": args.every, "rows": rows})
     print(f"wrote {path}")
-    plot(rows, RESULTS / "press_bounds.png")
+    plot(rows, RESULTS / f"{args.json}.png")
     return 0
 
 
