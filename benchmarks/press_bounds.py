@@ -22,7 +22,7 @@ unpressed cache. Three ways to choose what stays, each at every ``--caps`` value
 If ``oracle`` and ``perhead`` land where ``snapkv`` does, the press's choice is not what
 stands between it and the goal: the share of the history is.
 
-    python benchmarks/press_bounds.py                   # caps 0.25 0.5, ~30 min
+    python benchmarks/press_bounds.py                   # caps 0.25 0.5, ~40 min
     python benchmarks/press_bounds.py --quick           # cap 0.25, snapkv and perhead
     python benchmarks/press_bounds.py --caps 0.25 0.75 --modes snapkv oracle
 

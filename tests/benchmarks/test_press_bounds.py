@@ -64,3 +64,24 @@ def test_the_oracle_keeps_the_cell_the_next_queries_attend_to(history_model: Lla
     assert list(press.select(ctx, 2)) == [target, n - 1]  # it, and the newest cell
     far = pb.FutureAttention({layer: (q, p + 10) for layer, (q, p) in future.items()}, every=4)
     assert target not in far.select(far.scoring(cache, 0, 2), 2)  # not within `every`: unseen
+
+
+def test_the_head_oracle_keeps_each_heads_most_attended_cell(history_model: Llama) -> None:
+    c = history_model.config
+    cache = kq.make_cache(history_model, "fp32", len(TOKENS))
+    n, every = PREFILL, 4
+    pb.decode_logprobs(history_model, cache, TOKENS[:n], n, lambda i: None)
+    group = c.num_heads // c.num_kv_heads
+    future, want = {}, {}
+    for layer in cache.layers():
+        k = cache.read(layer, torch.arange(n))[0].double()  # [n, Hkv, D]
+        q = torch.stack([k[(11 * h + 5) % n, h] for h in range(c.num_kv_heads)])  # [Hkv, D]
+        future[layer] = (q.repeat_interleave(group, 0)[None].float(), np.array([n]))
+        want[layer] = torch.einsum("nhd,hd->hn", k, q).argmax(-1)  # per head: the top logit
+    sim = pb.PerHeadOracle(cache, c.num_layers, c.num_kv_heads, len(TOKENS), future, every)
+    sim.press(n, 1)
+    for layer in cache.layers():
+        kept = sim.valid[layer, :, :n]
+        assert (kept.sum(-1) == 1).all()
+        assert torch.equal(kept.float().argmax(-1), want[layer])
+    assert len({tuple(w.tolist()) for w in want.values()}) > 1  # heads and layers differ
