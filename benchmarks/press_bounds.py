@@ -4,7 +4,7 @@ with the cache capped at 1/4 of the history?
 The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, one 2048-token window
 of the Debian license texts: a 1024-token prompt, then 1024 tokens scored one decode step at a
 time; every ``--every`` steps the cache goes back to CAP of the tokens seen), against the
-unpressed cache. Three ways to choose what stays, each at every ``--caps`` value:
+unpressed cache. Four ways to choose what stays, each at every ``--caps`` value:
 
     snapkv    the library's press (``make_press("snapkv")``): one decision per cell, for all
               layers and heads, from the newest 64 queries
