@@ -84,6 +84,26 @@ def decode_logprobs(model: Llama, cache: CausalCache, tokens: list[int], prefill
     return torch.log_softmax(torch.cat(out).double(), dim=-1)
 
 
+def coming_attention(
+    future: tuple[torch.Tensor, np.ndarray],
+    keys: torch.Tensor,
+    now: int,
+    every: int,
+    seen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention [Hkv, n] the queries of positions now + 1 .. now + ``every`` (one layer's
+    of an unpressed run) pay each of ``keys`` [n, Hkv, D], summed over each KV head's query
+    heads; the softmax over the cells ``seen`` [Hkv, n] by each head where given."""
+    q, qpos = future
+    q = q[torch.from_numpy((qpos > now) & (qpos <= now + every))]  # [w, Hq, D]
+    (w, hq, d), hkv = q.shape, keys.shape[1]
+    logits = torch.einsum("whgd,nhd->hgwn", q.view(w, hkv, hq // hkv, d), keys.to(q.dtype))
+    logits = logits / math.sqrt(d)
+    if seen is not None:
+        logits = logits.masked_fill(~seen[:, None, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=(1, 2))
+
+
 class FutureAttention(Press):
     """One decision per cell: the attention the queries of the next ``every`` positions (from
     an unpressed run) pay each cell, summed over layers and query heads."""
@@ -95,14 +115,11 @@ class FutureAttention(Press):
         self.future, self.every = queries, every
 
     def scores(self, ctx: Scoring) -> torch.Tensor:
-        now, out = int(ctx.pos.max()), []
-        for layer in ctx.layers():
-            q, qpos = self.future[layer]
-            q = q[torch.from_numpy((qpos > now) & (qpos <= now + self.every))]  # [w, Hq, D]
-            k = ctx.kv(layer)[0]  # [n, Hkv, D]
-            (w, hq, d), hkv = q.shape, k.shape[1]
-            logits = torch.einsum("wkgd,nkd->kgwn", q.view(w, hkv, hq // hkv, d), k.to(q.dtype))
-            out.append(torch.softmax(logits / math.sqrt(d), dim=-1).sum(dim=(1, 2)))  # [Hkv, n]
+        now = int(ctx.pos.max())
+        out = [
+            coming_attention(self.future[layer], ctx.kv(layer)[0], now, self.every)
+            for layer in ctx.layers()
+        ]
         return torch.stack(out)  # [L, Hkv, n]
 
     def select(self, ctx: Scoring, keep: int) -> np.ndarray:
@@ -157,8 +174,8 @@ class PerHead:
 
 
 class PerHeadOracle(PerHead):
-    """PerHead whose heads choose by the attention of the queries to come (FutureAttention's
-    scores, one head's cells at a time)."""
+    """PerHead whose heads choose by the attention of the queries to come (coming_attention,
+    one head's cells at a time)."""
 
     def __init__(
         self, cache: CausalCache, layers: int, heads: int, cells: int, future: Queries, every: int
@@ -168,14 +185,9 @@ class PerHeadOracle(PerHead):
 
     def scores(self, layer: int, n: int) -> torch.Tensor:
         keys = self.cache.read(layer, slice(0, n))[0]  # [n, Hkv, D]
-        q, qpos = self.future[layer]
-        q = q[torch.from_numpy((qpos >= n) & (qpos < n + self.every))]  # [w, Hq, D]
-        (w, hq, d), hkv = q.shape, keys.shape[1]
-        logits = torch.einsum("whgd,nhd->hgwn", q.view(w, hkv, hq // hkv, d), keys.to(q.dtype))
-        seen = self.valid[layer][:, None, None, :n]
-        p = torch.softmax((logits / math.sqrt(d)).masked_fill(~seen, float("-inf")), dim=-1)
-        s = p.sum(dim=(1, 2))  # [Hkv, n]
-        return s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
+        seen = self.valid[layer][:, :n]
+        s = coming_attention(self.future[layer], keys, n - 1, self.every, seen)  # [Hkv, n]
+        return s.masked_fill(~seen, -1.0)  # gone stays gone
 
 
 def per_head(

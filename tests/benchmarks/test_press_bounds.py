@@ -72,12 +72,17 @@ def test_the_head_oracle_keeps_each_heads_most_attended_cell(history_model: Llam
     n, every = PREFILL, 4
     pb.decode_logprobs(history_model, cache, TOKENS[:n], n, lambda i: None)
     group = c.num_heads // c.num_kv_heads
-    future, want = {}, {}
+    future, want, decoyed = {}, {}, False
     for layer in cache.layers():
         k = cache.read(layer, torch.arange(n))[0].double()  # [n, Hkv, D]
         q = torch.stack([k[(11 * h + 5) % n, h] for h in range(c.num_kv_heads)])  # [Hkv, D]
-        future[layer] = (q.repeat_interleave(group, 0)[None].float(), np.array([n]))
+        # the query of position n - 1 (already seen, not to come) aims elsewhere, harder
+        decoy = 3 * torch.stack([k[(11 * h + 40) % n, h] for h in range(c.num_kv_heads)])
+        rows = torch.stack([decoy, q]).repeat_interleave(group, 1).float()  # [2, Hq, D]
+        future[layer] = (rows, np.array([n - 1, n]))
         want[layer] = torch.einsum("nhd,hd->hn", k, q).argmax(-1)  # per head: the top logit
+        decoyed |= not torch.equal(torch.einsum("nhd,hd->hn", k, decoy).argmax(-1), want[layer])
+    assert decoyed  # the decoy would change some head's choice
     sim = pb.PerHeadOracle(cache, c.num_layers, c.num_kv_heads, len(TOKENS), future, every)
     sim.press(n, 1)
     for layer in cache.layers():

@@ -1058,10 +1058,10 @@ struct FieldPick {
 // consecutive cells (a sequence's cells are handed out in runs) read their records whole
 // (FieldPick); other cells a gather of the 32 bits holding the field and its neighbour in the
 // same record (the field before it for a record's last field), so that no read leaves the
-// array. With AVX2 only, 8 cells a step: a run of 8 its fields loaded one by one into a vector
-// (Zen 3's gather of 8 took ~0.9 ns a field, the loads ~0.35: half_fields was 16 % of a 16 x 1k
-// int4 call, the int4 and int8 calls ~5 % faster), other cells that gather (cell by cell,
-// affine4_rows took 12 % of an int4 call on a Zen 3 VM); a scalar tail.
+// array. With AVX2 only, 8 cells a step: a run of 8 cells loads its fields one by one into a
+// vector (Zen 3's gather of 8 took ~0.9 ns a field, these loads ~0.35; the gathers were 16 % of
+// a 16 x 1k int4 call, and the int4 and int8 calls got ~5 % faster), other cells that gather;
+// a scalar tail.
 void half_fields(const uint16_t* fields, int64_t rows, int64_t stride, int64_t inner,
                  const int32_t* cells, int a, int b, float* out) {
   const uint16_t* base = fields + inner;
