@@ -4,7 +4,7 @@ with the cache capped at 1/4 of the history?
 The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, one 2048-token window
 of the Debian license texts: a 1024-token prompt, then 1024 tokens scored one decode step at a
 time; every ``--every`` steps the cache goes back to CAP of the tokens seen), against the
-unpressed cache. Four ways to choose what stays, each at every ``--caps`` value:
+unpressed cache. Seven ways to choose what stays, each at every ``--caps`` value:
 
     snapkv    the library's press (``make_press("snapkv")``): one decision per cell, for all
               layers and heads, from the newest 64 queries
@@ -18,11 +18,21 @@ unpressed cache. Four ways to choose what stays, each at every ``--caps`` value:
     headoracle  perhead's budgets, each (layer, KV head) choosing by the attention the next
               ``--every`` queries of the unpressed run pay each cell it still sees (softmax
               over those cells, summed over the head's query heads): the two bounds at once
+    headh2o   perhead's budgets, each (layer, KV head) choosing causally by the mean
+              attention each cell got from the queries that saw it so far (H2O's heavy
+              hitters, as a mean), the newest 64 cells kept
+    futureattn  perhead's budgets, each (layer, KV head) choosing by the attention *every*
+              query to come, to the end of the window, pays each cell in the unpressed run
+              (``future_costs``): what a press that knew the whole future would keep
+    futureout   the same, by how far each coming query's output (through the output
+              projection) would move were the cell alone gone
 
-If ``oracle`` and ``perhead`` land where ``snapkv`` does, the press's choice is not what
-stands between it and the goal: the share of the history is.
+The oracles that see ``--every`` queries ahead do no better than snapkv; those that see the
+whole future (``futureattn``, ``futureout``) come within the goal's reach: what a quarter of
+the history must hold is what the queries far ahead will need, per head, and that is what a
+causal press has to predict (README, issue 14).
 
-    python benchmarks/press_bounds.py                   # caps 0.25 0.5, ~40 min
+    python benchmarks/press_bounds.py                   # caps 0.25 0.5, every mode, ~1 h
     python benchmarks/press_bounds.py --quick           # cap 0.25, snapkv and perhead
     python benchmarks/press_bounds.py --caps 0.25 0.75 --modes snapkv oracle
 
@@ -34,6 +44,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +62,15 @@ from kvcache.models.llama import Llama  # noqa: E402
 from kvcache.press.base import Press, Scoring, newest_first, top_cells  # noqa: E402
 from kvcache.press.snapkv import KERNEL, WINDOW  # noqa: E402
 
-MODES = ("snapkv", "oracle", "perhead", "headoracle")
+MODES = ("snapkv", "oracle", "perhead", "headoracle", "headh2o", "futureattn", "futureout")
+FUTURE = ("futureattn", "futureout")
 Queries = dict[int, tuple[torch.Tensor, np.ndarray]]  # layer -> q [N, Hq, D], positions [N]
+KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> k, v [N, Hkv, D] by position
 
 
-def unpressed(model: Llama, tokens: list[int], prefill: int) -> tuple[torch.Tensor, Queries]:
+def unpressed(model: Llama, tokens: list[int], prefill: int) -> tuple[torch.Tensor, Queries, KV]:
     """Log-probs [len - prefill, V] of the unpressed fp32 cache decoding ``tokens`` after
-    ``prefill`` (one step a token), and every layer's queries of the run."""
+    ``prefill`` (one step a token), and every layer's queries and keys and values of the run."""
     cache = kq.make_cache(model, "fp32", len(tokens))
     seen: dict[int, list[tuple[torch.Tensor, np.ndarray]]] = {}
 
@@ -66,12 +79,14 @@ def unpressed(model: Llama, tokens: list[int], prefill: int) -> tuple[torch.Tens
 
     cache.add_observer(record)
     lp = decode_logprobs(model, cache, tokens, prefill, lambda i: None)
+    n = cache.next_position(0)
+    kv = {layer: cache.read(layer, slice(0, n)) for layer in cache.layers()}  # cells = positions
     cache.close()
     queries = {
         layer: (torch.cat([q for q, _ in rows]), np.concatenate([p for _, p in rows]))
         for layer, rows in seen.items()
     }
-    return lp, queries
+    return lp, queries, kv
 
 
 def decode_logprobs(model: Llama, cache: CausalCache, tokens: list[int], prefill: int, after):
@@ -145,9 +160,14 @@ class PerHead:
         qg = q.view(t, hkv, hq // hkv, d).to(keys.dtype)
         logits = torch.einsum("thgd,nhd->thgn", qg, keys) * (scale or d**-0.5)
         p = torch.softmax(logits.masked_fill(~seen[:, :, None, :], float("-inf")), dim=-1)
+        self.observed(layer, q, p, seen)
+        return torch.einsum("thgn,nhd->thgd", p, values).reshape(t, hq, -1).to(q.dtype)
+
+    def observed(self, layer: int, q: torch.Tensor, p: torch.Tensor, seen: torch.Tensor) -> None:
+        """One attention call's queries [T, Hq, D], weights [T, Hkv, G, n] and what each row
+        and head saw [T, Hkv, n]: the newest WINDOW queries are kept for ``scores``."""
         old = self.q.get(layer)
         self.q[layer] = (q if old is None else torch.cat([old, q]))[-WINDOW:]
-        return torch.einsum("thgn,nhd->thgd", p, values).reshape(t, hq, -1).to(q.dtype)
 
     def scores(self, layer: int, n: int) -> torch.Tensor:
         """SnapKV's scores [Hkv, n] of each head over the cells it sees (the observed window's
@@ -190,25 +210,117 @@ class PerHeadOracle(PerHead):
         return s.masked_fill(~seen, -1.0)  # gone stays gone
 
 
+class PerHeadH2O(PerHead):
+    """PerHead whose heads choose causally, by the mean attention each cell got from the
+    queries that saw it so far (H2O's accumulated attention over every query of the run,
+    per (layer, KV head) and summed over its query heads, divided by the rows that saw the
+    cell: old cells do not win by age); the newest ``WINDOW`` cells stay."""
+
+    def __init__(self, cache: CausalCache, layers: int, heads: int, cells: int) -> None:
+        super().__init__(cache, layers, heads, cells)
+        self.paid = torch.zeros(layers, heads, cells, dtype=torch.float64)  # attention so far
+        self.rows = torch.zeros(layers, heads, cells, dtype=torch.float64)  # rows that saw it
+
+    def observed(self, layer: int, q: torch.Tensor, p: torch.Tensor, seen: torch.Tensor) -> None:
+        super().observed(layer, q, p, seen)
+        n = p.shape[-1]
+        self.paid[layer, :, :n] += p.sum(dim=(0, 2)).double()
+        self.rows[layer, :, :n] += seen.sum(dim=0).double()
+
+    def scores(self, layer: int, n: int) -> torch.Tensor:
+        s = self.paid[layer, :, :n] / self.rows[layer, :, :n].clamp_min(1)
+        s[:, max(0, n - WINDOW) :] = math.inf
+        return s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
+
+
+def future_costs(
+    queries: Queries, kv: KV, wo: list[torch.Tensor], nows: list[int], kind: str
+) -> torch.Tensor:
+    """What each cell is worth to every query to come of the unpressed run, per layer and
+    KV head, at each press: [L, len(nows), Hkv, N] float64, entry [l, i, h, n] summed over
+    the query rows of positions > nows[i] and over head h's query heads hq:
+
+        futureattn   p(q, n)                                       the attention q pays n
+        futureout    p(q, n) / (1 - p(q, n)) * |Wo_hq (o_q - v_n)|  how far q's output moves
+                     (through its head's slice of the output projection) if n alone is gone
+
+    p is the unpressed softmax (over the cells at positions <= q's), o_q = sum_n p(q, n) v_n,
+    1 - p clamped at 1e-6 (a cell that holds all of q's attention).
+    ``wo``: each layer's output projection [E, Hq * D]."""
+    out = []
+    for layer, (q, qpos) in sorted(queries.items()):
+        k, v = (x.double() for x in kv[layer])  # [N, Hkv, D]
+        (nq, hq, d), (n, hkv, _) = q.shape, k.shape
+        g = hq // hkv
+        qh = q.double().transpose(0, 1)  # [Hq, Nq, D]
+        kh, vh = (x.transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))  # [Hq, N, D]
+        logits = qh @ kh.transpose(1, 2) / math.sqrt(d)
+        seen = torch.from_numpy(qpos[:, None] >= np.arange(n)[None, :])  # [Nq, N]
+        p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)  # [Hq, Nq, N]
+        cost = p
+        if kind == "futureout":
+            w = wo[layer].double().view(-1, hq, d).transpose(0, 1)  # [Hq, E, D]
+            a, b = (p @ vh) @ w.transpose(1, 2), vh @ w.transpose(1, 2)  # [Hq, Nq | N, E]
+            exact = "donot_use_mm_for_euclid_dist"  # the mm form loses digits here
+            gap = torch.cdist(a, b, compute_mode=exact)  # [Hq, Nq, N]: |Wo_hq (o_q - v_n)|
+            cost = p / (1 - p).clamp_min(1e-6) * gap
+        cost = cost.view(hkv, g, nq, n).sum(1)  # [Hkv, Nq, N]
+        after = torch.from_numpy(qpos[None, :] > np.asarray(nows)[:, None]).double()  # [P, Nq]
+        out.append(torch.einsum("pq,hqn->phn", after, cost))
+    return torch.stack(out)
+
+
+class PerHeadFuture(PerHead):
+    """PerHead whose heads choose by ``future_costs`` (every query to come, not a window):
+    each (layer, KV head) keeps the cells its coming queries need most."""
+
+    def __init__(
+        self,
+        cache: CausalCache,
+        layers: int,
+        heads: int,
+        cells: int,
+        costs: torch.Tensor,
+        nows: list[int],
+    ) -> None:
+        super().__init__(cache, layers, heads, cells)
+        self.costs, self.press_of = costs, {now + 1: i for i, now in enumerate(nows)}
+        self.now = 0  # the press under way (an index into nows)
+
+    def press(self, n: int, keep: int) -> None:
+        self.now = self.press_of[n]
+        super().press(n, keep)
+
+    def scores(self, layer: int, n: int) -> torch.Tensor:
+        s = self.costs[layer, self.now, :, :n].clone()
+        return s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
+
+
+def press_times(prefill: int, total: int, every: int) -> list[int]:
+    """The newest position at each press of ``decode_logprobs``' steps (after token i is in,
+    i = prefill, prefill + every, ...)."""
+    return list(range(prefill, total - 1, every))
+
+
 def per_head(
     model: Llama,
     tokens: list[int],
     prefill: int,
     cap: float,
     every: int,
-    future: Queries | None = None,
+    make: Callable[[CausalCache, int, int, int], PerHead] = PerHead,
 ) -> tuple[torch.Tensor, float, float]:
-    """Log-probs under head-wise eviction (chosen by the queries to come where ``future`` is
-    given), the mean share each head saw and the mean share of cells some head still saw
-    (what a mask-only cache would have to hold)."""
+    """Log-probs under head-wise eviction (the simulation ``make(cache, layers, heads,
+    cells)`` chooses), the mean share each head saw and the mean share of cells some head
+    still saw (what a mask-only cache would have to hold)."""
     c = model.config
     cache = kq.make_cache(model, "fp32", len(tokens))
-    shape = (cache, c.num_layers, c.num_kv_heads, len(tokens))
-    sim = PerHead(*shape) if future is None else PerHeadOracle(*shape, future, every)
+    sim = make(cache, c.num_layers, c.num_kv_heads, len(tokens))
+    times = set(press_times(prefill, len(tokens), every))
     shares: list[tuple[float, float]] = []
 
     def after(i: int) -> None:
-        if (i - prefill) % every == 0:
+        if i in times:
             sim.press(i + 1, int(cap * (i + 1)))
         seen = sim.valid[:, :, : i + 1]
         shares.append(
@@ -244,14 +356,24 @@ def main(argv: list[str] | None = None) -> int:
     tokens = license_tokens(Tokenizer.from_gguf(), kq.WINDOW)
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
-        base, queries = unpressed(model, tokens, kq.PREFILL)
+        base, queries, kv = unpressed(model, tokens, kq.PREFILL)
         ppl = kq.quality([base], [tokens], [base])["ppl"]
+        nows = press_times(kq.PREFILL, len(tokens), args.every)
+        wo = [layer.wo for layer in model.weights.layers]
+        costs = {m: future_costs(queries, kv, wo, nows, m) for m in FUTURE if m in args.modes}
+        sims: dict[str, Callable[..., PerHead]] = {
+            "perhead": PerHead,
+            "headh2o": PerHeadH2O,
+            "headoracle": lambda *a: PerHeadOracle(*a, queries, args.every),
+            **{m: (lambda *a, c=c: PerHeadFuture(*a, c, nows)) for m, c in costs.items()},
+        }
         for cap in args.caps:
             for mode in tqdm(args.modes, desc=f"cap {cap:g}", unit="mode"):
                 union = None
-                if mode in ("perhead", "headoracle"):
-                    future = queries if mode == "headoracle" else None
-                    lp, held, union = per_head(model, tokens, kq.PREFILL, cap, args.every, future)
+                if mode in sims:
+                    lp, held, union = per_head(
+                        model, tokens, kq.PREFILL, cap, args.every, sims[mode]
+                    )
                 else:
                     press = make_press("snapkv:0.5") if mode == "snapkv" else None  # ratio unused
                     press = press or FutureAttention(queries, args.every)

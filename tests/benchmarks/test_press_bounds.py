@@ -1,8 +1,9 @@
-"""benchmarks/press_bounds.py: the head-wise eviction simulation and the future-attention oracle."""
+"""benchmarks/press_bounds.py: the head-wise eviction simulation and the future oracles."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import kv_quality as kq
@@ -14,7 +15,7 @@ PREFILL = 80
 
 
 def test_the_simulation_without_a_press_is_the_cache(history_model: Llama) -> None:
-    base, _ = pb.unpressed(history_model, TOKENS, PREFILL)
+    base, _, _ = pb.unpressed(history_model, TOKENS, PREFILL)
     c = history_model.config
     cache = kq.make_cache(history_model, "fp32", len(TOKENS))
     pb.PerHead(cache, c.num_layers, c.num_kv_heads, len(TOKENS))
@@ -90,3 +91,103 @@ def test_the_head_oracle_keeps_each_heads_most_attended_cell(history_model: Llam
         assert (kept.sum(-1) == 1).all()
         assert torch.equal(kept.float().argmax(-1), want[layer])
     assert len({tuple(w.tolist()) for w in want.values()}) > 1  # heads and layers differ
+
+
+def reference_costs(model: Llama, queries, kv, now: int, kind: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """future_costs at one press, query by query: [L, Hkv, N] float64."""
+    c = model.config
+    group, d = c.num_heads // c.num_kv_heads, c.head_dim
+    out = torch.zeros(c.num_layers, c.num_kv_heads, len(TOKENS) - 1, dtype=torch.float64)
+    for layer in range(c.num_layers):
+        q, qpos = queries[layer]
+        k, v = (x.double() for x in kv[layer])
+        wo = history_model_wo(model, layer)
+        for r, at in enumerate(qpos.tolist()):
+            if at <= now:
+                continue
+            for hq in range(c.num_heads):
+                h = hq // group
+                p = torch.softmax(k[: at + 1, h] @ q[r, hq].double() / d**0.5, dim=0)
+                if kind == "futureattn":
+                    out[layer, h, : at + 1] += p
+                    continue
+                o = p @ v[: at + 1, h]
+                w = wo[:, hq * d : (hq + 1) * d]
+                for n in range(at + 1):
+                    gap = torch.linalg.vector_norm(w @ (o - v[n, h]))
+                    out[layer, h, n] += p[n] / (1 - p[n]).clamp_min(1e-6) * gap  # as documented
+    return out
+
+
+def history_model_wo(model: Llama, layer: int) -> torch.Tensor:
+    return model.weights.layers[layer].wo.double()
+
+
+@pytest.mark.parametrize("kind", pb.FUTURE)
+def test_future_costs_equal_a_query_by_query_reference(history_model: Llama, kind: str) -> None:
+    _, queries, kv = pb.unpressed(history_model, TOKENS, PREFILL)
+    nows = pb.press_times(PREFILL, len(TOKENS), 16)
+    assert nows == [80, 96, 112]
+    wo = [layer.wo for layer in history_model.weights.layers]
+    costs = pb.future_costs(queries, kv, wo, nows, kind)
+    assert costs.shape == (2, 3, history_model.config.num_kv_heads, len(TOKENS) - 1)
+    for i in (0, 2):
+        want = reference_costs(history_model, queries, kv, nows[i], kind)
+        assert torch.allclose(costs[:, i], want, rtol=1e-9, atol=1e-12)
+    assert (costs[:, 2, :, : nows[2] - 30] < costs[:, 0, :, : nows[2] - 30]).all()  # fewer to come
+
+
+def test_the_future_oracle_keeps_each_heads_costliest_cells(history_model: Llama) -> None:
+    c = history_model.config
+    cache = kq.make_cache(history_model, "fp32", len(TOKENS))
+    nows, first_keep, keep = [PREFILL, PREFILL + 16], 50, 30
+    g = torch.Generator().manual_seed(3)
+    costs = torch.rand(
+        c.num_layers, 2, c.num_kv_heads, len(TOKENS), generator=g, dtype=torch.float64
+    )
+    sim = pb.PerHeadFuture(cache, c.num_layers, c.num_kv_heads, len(TOKENS), costs, nows)
+    seen = []
+
+    def after(i: int) -> None:
+        if i in nows:
+            sim.press(i + 1, first_keep if i == nows[0] else keep)
+            seen.append(sim.valid[:, :, : i + 1].clone())
+
+    pb.decode_logprobs(history_model, cache, TOKENS[: nows[1] + 2], PREFILL, after)
+    first, second = seen
+    for layer in range(c.num_layers):
+        for h in range(c.num_kv_heads):
+            want = torch.zeros(nows[0] + 1, dtype=torch.bool)
+            want[costs[layer, 0, h, : nows[0] + 1].topk(first_keep).indices] = True
+            assert torch.equal(first[layer, h], want)
+            s = costs[layer, 1, h, : nows[1] + 1].clone()  # the second press's costs, among
+            s[: nows[0] + 1][~first[layer, h]] = -1.0  # the cells still seen
+            want = torch.zeros(nows[1] + 1, dtype=torch.bool)
+            want[s.topk(keep).indices] = True
+            assert torch.equal(second[layer, h], want)
+
+
+def test_the_h2o_heads_keep_the_cells_with_the_most_attention_per_row(
+    history_model: Llama,
+) -> None:
+    c = history_model.config
+    _, queries, kv = pb.unpressed(history_model, TOKENS, PREFILL)
+    wo = [layer.wo for layer in history_model.weights.layers]
+    want = pb.future_costs(queries, kv, wo, [-1], "futureattn")[:, 0]  # every row's attention
+    cache = kq.make_cache(history_model, "fp32", len(TOKENS))
+    sim = pb.PerHeadH2O(cache, c.num_layers, c.num_kv_heads, len(TOKENS))
+    pb.decode_logprobs(history_model, cache, TOKENS, PREFILL, lambda i: None)
+    n, keep = len(TOKENS) - 1, 70
+    assert torch.allclose(sim.paid[:, :, :n], want, rtol=1e-3, atol=1e-6)  # q: float32 there
+    rows = (n - torch.arange(n)).double()  # position j is seen by the rows of j .. n - 1
+    assert torch.equal(sim.rows[:, :, :n], rows.expand(c.num_layers, c.num_kv_heads, n))
+    mean = sim.paid[:, :, :n] / rows
+    sim.press(n, keep)
+    for layer in range(c.num_layers):
+        for h in range(c.num_kv_heads):
+            s = mean[layer, h].clone()
+            s[n - pb.WINDOW :] = float("inf")
+            kept = torch.zeros(n, dtype=torch.bool)
+            kept[s.topk(keep).indices] = True
+            assert torch.equal(sim.valid[layer, h, :n], kept)
+    assert not torch.equal(sim.valid[0, 0], sim.valid[1, 0])  # layers choose their own
