@@ -4,7 +4,7 @@ with the cache capped at 1/4 of the history?
 The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, one 2048-token window
 of the Debian license texts: a 1024-token prompt, then 1024 tokens scored one decode step at a
 time; every ``--every`` steps the cache goes back to CAP of the tokens seen), against the
-unpressed cache. Seven ways to choose what stays, each at every ``--caps`` value:
+unpressed cache. Eight ways to choose what stays, each at every ``--caps`` value:
 
     snapkv    the library's press (``make_press("snapkv")``): one decision per cell, for all
               layers and heads, from the newest 64 queries
@@ -21,6 +21,9 @@ unpressed cache. Seven ways to choose what stays, each at every ``--caps`` value
     headh2o   perhead's budgets, each (layer, KV head) choosing causally by the mean
               attention each cell got from the queries that saw it so far (H2O's heavy
               hitters, as a mean), the newest 64 cells kept
+    headout   the same, by how far each past query's output (through the output
+              projection) would have moved were the cell alone gone: futureout's measure,
+              causal
     futureattn  perhead's budgets, each (layer, KV head) choosing by the attention *every*
               query to come, to the end of the window, pays each cell in the unpressed run
               (``future_costs``): what a press that knew the whole future would keep
@@ -62,7 +65,16 @@ from kvcache.models.llama import Llama  # noqa: E402
 from kvcache.press.base import Press, Scoring, newest_first, top_cells  # noqa: E402
 from kvcache.press.snapkv import KERNEL, WINDOW  # noqa: E402
 
-MODES = ("snapkv", "oracle", "perhead", "headoracle", "headh2o", "futureattn", "futureout")
+MODES = (
+    "snapkv",
+    "oracle",
+    "perhead",
+    "headoracle",
+    "headh2o",
+    "headout",
+    "futureattn",
+    "futureout",
+)
 FUTURE = ("futureattn", "futureout")
 Queries = dict[int, tuple[torch.Tensor, np.ndarray]]  # layer -> q [N, Hq, D], positions [N]
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> k, v [N, Hkv, D] by position
@@ -160,12 +172,15 @@ class PerHead:
         qg = q.view(t, hkv, hq // hkv, d).to(keys.dtype)
         logits = torch.einsum("thgd,nhd->thgn", qg, keys) * (scale or d**-0.5)
         p = torch.softmax(logits.masked_fill(~seen[:, :, None, :], float("-inf")), dim=-1)
-        self.observed(layer, q, p, seen)
+        self.observed(layer, q, p, seen, values)
         return torch.einsum("thgn,nhd->thgd", p, values).reshape(t, hq, -1).to(q.dtype)
 
-    def observed(self, layer: int, q: torch.Tensor, p: torch.Tensor, seen: torch.Tensor) -> None:
-        """One attention call's queries [T, Hq, D], weights [T, Hkv, G, n] and what each row
-        and head saw [T, Hkv, n]: the newest WINDOW queries are kept for ``scores``."""
+    def observed(
+        self, layer: int, q: torch.Tensor, p: torch.Tensor, seen: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """One attention call's queries [T, Hq, D], weights [T, Hkv, G, n], what each row
+        and head saw [T, Hkv, n] and the values [n, Hkv, D]: the newest WINDOW queries are
+        kept for ``scores``."""
         old = self.q.get(layer)
         self.q[layer] = (q if old is None else torch.cat([old, q]))[-WINDOW:]
 
@@ -221,16 +236,65 @@ class PerHeadH2O(PerHead):
         self.paid = torch.zeros(layers, heads, cells, dtype=torch.float64)  # attention so far
         self.rows = torch.zeros(layers, heads, cells, dtype=torch.float64)  # rows that saw it
 
-    def observed(self, layer: int, q: torch.Tensor, p: torch.Tensor, seen: torch.Tensor) -> None:
-        super().observed(layer, q, p, seen)
+    def observed(
+        self, layer: int, q: torch.Tensor, p: torch.Tensor, seen: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        super().observed(layer, q, p, seen, v)
         n = p.shape[-1]
-        self.paid[layer, :, :n] += p.sum(dim=(0, 2)).double()
+        self.paid[layer, :, :n] += self.worth(layer, p, v).sum(dim=(0, 2)).double()
         self.rows[layer, :, :n] += seen.sum(dim=0).double()
+
+    def worth(self, layer: int, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """What each row's query head got from each cell [T, Hkv, G, n]: its attention."""
+        return p
 
     def scores(self, layer: int, n: int) -> torch.Tensor:
         s = self.paid[layer, :, :n] / self.rows[layer, :, :n].clamp_min(1)
         s[:, max(0, n - WINDOW) :] = math.inf
         return s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
+
+
+def out_factor(wo: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """R^T [Hq, D, D] float64 of each query head's slice of the output projection ``wo``
+    [E, Hq * D] (Wo_hq = Q R): |Wo_hq x| = |x R^T|, in D dimensions instead of E."""
+    return torch.linalg.qr(wo.double().view(wo.shape[0], -1, head_dim).transpose(0, 1))[1].mT
+
+
+def moved(p: torch.Tensor, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[Hq, T, n]: how far each row's output would move were cell n alone gone,
+    p / (1 - p) * |o - v_n| (1 - p clamped at 1e-6), from the weights p [Hq, T, n], the
+    outputs o [Hq, T, D'] and the values v [Hq, n, D'] (both through out_factor)."""
+    exact = "donot_use_mm_for_euclid_dist"  # the mm form loses digits here
+    return p / (1 - p).clamp_min(1e-6) * torch.cdist(o, v, compute_mode=exact)
+
+
+class PerHeadOut(PerHeadH2O):
+    """PerHeadH2O whose rows pay each cell, instead of their attention, how far their output
+    would move were the cell alone gone (futureout's measure, over the queries so far):
+    p / (1 - p) * |Wo_hq (o - v_n)| = p / (1 - p) * |R_hq (o - v_n)|, R_hq the [D, D] factor
+    of Wo_hq = Q R (each cell's R v_n kept as it arrives). ``wo``: each layer's [E, Hq * D]."""
+
+    def __init__(
+        self,
+        cache: CausalCache,
+        layers: int,
+        heads: int,
+        cells: int,
+        wo: list[torch.Tensor],
+        head_dim: int,
+    ) -> None:
+        super().__init__(cache, layers, heads, cells)
+        self.rt = [out_factor(w, head_dim) for w in wo]  # layer -> R^T [Hq, D, D]
+        self.vr: dict[int, torch.Tensor] = {}  # layer -> [Hq, n, D]: R_hq v_n
+
+    def worth(self, layer: int, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        (t, hkv, g, n), rt = p.shape, self.rt[layer]
+        vq = v.double().repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, D]
+        old = self.vr.get(layer, torch.zeros(hkv * g, 0, rt.shape[-1], dtype=torch.float64))
+        vr = torch.cat([old, vq[:, old.shape[1] :] @ rt], dim=1)
+        self.vr[layer] = vr
+        pd = p.double().reshape(t, hkv * g, n).transpose(0, 1)  # [Hq, T, n]
+        return moved(pd, (pd @ vq) @ rt, vr).transpose(0, 1).reshape(t, hkv, g, n)
 
 
 def future_costs(
@@ -259,11 +323,8 @@ def future_costs(
         p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)  # [Hq, Nq, N]
         cost = p
         if kind == "futureout":
-            w = wo[layer].double().view(-1, hq, d).transpose(0, 1)  # [Hq, E, D]
-            a, b = (p @ vh) @ w.transpose(1, 2), vh @ w.transpose(1, 2)  # [Hq, Nq | N, E]
-            exact = "donot_use_mm_for_euclid_dist"  # the mm form loses digits here
-            gap = torch.cdist(a, b, compute_mode=exact)  # [Hq, Nq, N]: |Wo_hq (o_q - v_n)|
-            cost = p / (1 - p).clamp_min(1e-6) * gap
+            rt = out_factor(wo[layer], d)
+            cost = moved(p, (p @ vh) @ rt, vh @ rt)
         cost = cost.view(hkv, g, nq, n).sum(1)  # [Hkv, Nq, N]
         after = torch.from_numpy(qpos[None, :] > np.asarray(nows)[:, None]).double()  # [P, Nq]
         out.append(torch.einsum("pq,hqn->phn", after, cost))
@@ -364,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         sims: dict[str, Callable[..., PerHead]] = {
             "perhead": PerHead,
             "headh2o": PerHeadH2O,
+            "headout": lambda *a: PerHeadOut(*a, wo, model.config.head_dim),
             "headoracle": lambda *a: PerHeadOracle(*a, queries, args.every),
             **{m: (lambda *a, c=c: PerHeadFuture(*a, c, nows)) for m, c in costs.items()},
         }

@@ -167,21 +167,38 @@ def test_the_future_oracle_keeps_each_heads_costliest_cells(history_model: Llama
             assert torch.equal(second[layer, h], want)
 
 
-def test_the_h2o_heads_keep_the_cells_with_the_most_attention_per_row(
-    history_model: Llama,
+@pytest.mark.parametrize("mode", ["headh2o", "headout"])
+def test_the_causal_heads_keep_the_cells_worth_most_per_row(
+    history_model: Llama, mode: str
 ) -> None:
+    from kvcache import CausalCache
+
     c = history_model.config
-    _, queries, kv = pb.unpressed(history_model, TOKENS, PREFILL)
     wo = [layer.wo for layer in history_model.weights.layers]
-    want = pb.future_costs(queries, kv, wo, [-1], "futureattn")[:, 0]  # every row's attention
-    cache = kq.make_cache(history_model, "fp32", len(TOKENS))
-    sim = pb.PerHeadH2O(cache, c.num_layers, c.num_kv_heads, len(TOKENS))
+    cache = CausalCache(
+        len(TOKENS), max_batch=PREFILL, shift=history_model.rope, dtype=torch.float64
+    )
+    shape = (cache, c.num_layers, c.num_kv_heads, len(TOKENS))
+    sim = pb.PerHeadH2O(*shape) if mode == "headh2o" else pb.PerHeadOut(*shape, wo, c.head_dim)
+    rows: dict[int, list[torch.Tensor]] = {}
+    observed = sim.observed
+
+    def spy(layer, q, p, seen, v):  # type: ignore[no-untyped-def]
+        rows.setdefault(layer, []).append(q.clone())
+        observed(layer, q, p, seen, v)
+
+    sim.observed = spy  # type: ignore[method-assign]
     pb.decode_logprobs(history_model, cache, TOKENS, PREFILL, lambda i: None)
-    n, keep = len(TOKENS) - 1, 70
-    assert torch.allclose(sim.paid[:, :, :n], want, rtol=1e-3, atol=1e-6)  # q: float32 there
-    rows = (n - torch.arange(n)).double()  # position j is seen by the rows of j .. n - 1
-    assert torch.equal(sim.rows[:, :, :n], rows.expand(c.num_layers, c.num_kv_heads, n))
-    mean = sim.paid[:, :, :n] / rows
+    n = len(TOKENS) - 1
+    queries = {layer: (torch.cat(qs), np.arange(n)) for layer, qs in rows.items()}
+    kv = {layer: cache.read(layer, slice(0, n)) for layer in cache.layers()}
+    kind = {"headh2o": "futureattn", "headout": "futureout"}[mode]
+    want = pb.future_costs(queries, kv, wo, [-1], kind)[:, 0]  # what every row paid, float64
+    assert torch.allclose(sim.paid[:, :, :n], want, rtol=1e-7, atol=1e-12)
+    keep = 70
+    seen_by = (n - torch.arange(n)).double()  # position j is seen by the rows of j .. n - 1
+    assert torch.equal(sim.rows[:, :, :n], seen_by.expand(c.num_layers, c.num_kv_heads, n))
+    mean = sim.paid[:, :, :n] / seen_by
     sim.press(n, keep)
     for layer in range(c.num_layers):
         for h in range(c.num_kv_heads):
