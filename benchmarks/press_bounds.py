@@ -195,15 +195,16 @@ class PerHead:
         seen = (torch.arange(n)[None, :] <= qpos[:, None]) & self.valid[layer][:, None, :n]
         p = torch.softmax((logits / math.sqrt(d)).masked_fill(~seen[:, None], float("-inf")), -1)
         s = F.avg_pool1d(p.mean(dim=(1, 2))[:, None].float(), KERNEL, 1, KERNEL // 2)[:, 0]
-        s = s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
         s[:, n - w :] = math.inf
         return s
 
     def press(self, n: int, keep: int) -> None:
-        """Each (layer, head) keeps its ``keep`` best of the first ``n`` cells."""
+        """Each (layer, head) keeps its ``keep`` best of the first ``n`` cells it still sees
+        (gone stays gone, whatever ``scores`` says of it)."""
         assert np.array_equal(self.cache.cells_of(0), np.arange(n)), "cells are not positions"
         for layer in range(self.valid.shape[0]):
-            best = self.scores(layer, n).topk(keep, dim=-1).indices  # [Hkv, keep]
+            s = self.scores(layer, n).masked_fill(~self.valid[layer, :, :n], -math.inf)
+            best = s.topk(keep, dim=-1).indices  # [Hkv, keep]
             kept = torch.zeros_like(self.valid[layer, :, :n]).scatter_(-1, best, True)
             self.valid[layer, :, :n] &= kept
 
@@ -221,8 +222,7 @@ class PerHeadOracle(PerHead):
     def scores(self, layer: int, n: int) -> torch.Tensor:
         keys = self.cache.read(layer, slice(0, n))[0]  # [n, Hkv, D]
         seen = self.valid[layer][:, :n]
-        s = coming_attention(self.future[layer], keys, n - 1, self.every, seen)  # [Hkv, n]
-        return s.masked_fill(~seen, -1.0)  # gone stays gone
+        return coming_attention(self.future[layer], keys, n - 1, self.every, seen)  # [Hkv, n]
 
 
 class PerHeadH2O(PerHead):
@@ -251,7 +251,7 @@ class PerHeadH2O(PerHead):
     def scores(self, layer: int, n: int) -> torch.Tensor:
         s = self.paid[layer, :, :n] / self.rows[layer, :, :n].clamp_min(1)
         s[:, max(0, n - WINDOW) :] = math.inf
-        return s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
+        return s
 
 
 def out_factor(wo: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -285,16 +285,19 @@ class PerHeadOut(PerHeadH2O):
     ) -> None:
         super().__init__(cache, layers, heads, cells)
         self.rt = [out_factor(w, head_dim) for w in wo]  # layer -> R^T [Hq, D, D]
-        self.vr: dict[int, torch.Tensor] = {}  # layer -> [Hq, n, D]: R_hq v_n
+        hq = wo[0].shape[1] // head_dim
+        self.vr = torch.zeros(layers, hq, cells, head_dim, dtype=torch.float64)  # R_hq v_n
+        self.done = [0] * layers  # cells whose R v_n is in vr, per layer
 
     def worth(self, layer: int, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        (t, hkv, g, n), rt = p.shape, self.rt[layer]
+        (t, hkv, g, n), rt, done = p.shape, self.rt[layer], self.done[layer]
         vq = v.double().repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, D]
-        old = self.vr.get(layer, torch.zeros(hkv * g, 0, rt.shape[-1], dtype=torch.float64))
-        vr = torch.cat([old, vq[:, old.shape[1] :] @ rt], dim=1)
-        self.vr[layer] = vr
+        self.vr[layer, :, done:n] = vq[:, done:] @ rt
+        self.done[layer] = n
         pd = p.double().reshape(t, hkv * g, n).transpose(0, 1)  # [Hq, T, n]
-        return moved(pd, (pd @ vq) @ rt, vr).transpose(0, 1).reshape(t, hkv, g, n)
+        return (
+            moved(pd, (pd @ vq) @ rt, self.vr[layer, :, :n]).transpose(0, 1).reshape(t, hkv, g, n)
+        )
 
 
 def future_costs(
@@ -353,8 +356,7 @@ class PerHeadFuture(PerHead):
         super().press(n, keep)
 
     def scores(self, layer: int, n: int) -> torch.Tensor:
-        s = self.costs[layer, self.now, :, :n].clone()
-        return s.masked_fill(~self.valid[layer][:, :n], -1.0)  # gone stays gone
+        return self.costs[layer, self.now, :, :n]
 
 
 def press_times(prefill: int, total: int, every: int) -> list[int]:

@@ -101,7 +101,7 @@ def reference_costs(model: Llama, queries, kv, now: int, kind: str) -> torch.Ten
     for layer in range(c.num_layers):
         q, qpos = queries[layer]
         k, v = (x.double() for x in kv[layer])
-        wo = history_model_wo(model, layer)
+        wo = model.weights.layers[layer].wo.double()
         for r, at in enumerate(qpos.tolist()):
             if at <= now:
                 continue
@@ -117,10 +117,6 @@ def reference_costs(model: Llama, queries, kv, now: int, kind: str) -> torch.Ten
                     gap = torch.linalg.vector_norm(w @ (o - v[n, h]))
                     out[layer, h, n] += p[n] / (1 - p[n]).clamp_min(1e-6) * gap  # as documented
     return out
-
-
-def history_model_wo(model: Llama, layer: int) -> torch.Tensor:
-    return model.weights.layers[layer].wo.double()
 
 
 @pytest.mark.parametrize("kind", pb.FUTURE)
