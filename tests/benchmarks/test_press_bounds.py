@@ -204,3 +204,34 @@ def test_the_causal_heads_keep_the_cells_worth_most_per_row(
             kept[s.topk(keep).indices] = True
             assert torch.equal(sim.valid[layer, h, :n], kept)
     assert not torch.equal(sim.valid[0, 0], sim.valid[1, 0])  # layers choose their own
+
+
+def test_the_cell_oracle_keeps_the_cells_costliest_over_every_head(history_model: Llama) -> None:
+    c = history_model.config
+    cache = kq.make_cache(history_model, "fp32", len(TOKENS))
+    nows, first_keep, keep = [PREFILL, PREFILL + 16], 70, 75
+    g = torch.Generator().manual_seed(4)
+    costs = torch.rand(
+        c.num_layers, 2, c.num_kv_heads, len(TOKENS), generator=g, dtype=torch.float64
+    )
+    sim = pb.CellFuture(cache, c.num_layers, c.num_kv_heads, len(TOKENS), costs, nows)
+    seen = []
+
+    def after(i: int) -> None:
+        if i in nows:
+            sim.press(i + 1, first_keep if i == nows[0] else keep)
+            seen.append(sim.valid[:, :, : i + 1].clone())
+
+    pb.decode_logprobs(history_model, cache, TOKENS[: nows[1] + 2], PREFILL, after)
+    gone = None
+    for i, (k, valid) in enumerate(zip((first_keep, keep), seen, strict=True)):
+        n = nows[i] + 1
+        s = costs[:, i, :, :n].sum(dim=(0, 1))
+        s[n - pb.WINDOW :] = float("inf")
+        if gone is not None:
+            s[: len(gone)][gone] = -1.0  # gone stays gone
+        want = torch.zeros(n, dtype=torch.bool)
+        want[s.topk(k).indices] = True
+        assert torch.equal(valid, want.expand_as(valid))  # one decision, every layer and head
+        gone = ~want if gone is None else gone
+    assert not seen[1][:, :, : nows[0] + 1][:, :, gone].any()  # none of the first press's gone
