@@ -133,24 +133,36 @@ def test_future_costs_equal_a_query_by_query_reference(history_model: Llama, kin
     assert (costs[:, 2, :, : nows[2] - 30] < costs[:, 0, :, : nows[2] - 30]).all()  # fewer to come
 
 
-def test_the_future_oracle_keeps_each_heads_costliest_cells(history_model: Llama) -> None:
-    c = history_model.config
-    cache = kq.make_cache(history_model, "fp32", len(TOKENS))
-    nows, first_keep, keep = [PREFILL, PREFILL + 16], 50, 30
-    g = torch.Generator().manual_seed(3)
+def future_presses(
+    model: Llama, make: type[pb.PerHeadFuture], keeps: tuple[int, int], seed: int
+) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    """Random costs [L, 2, Hkv, N], the two presses' newest positions and what each (layer,
+    head) saw after each press of ``make`` (keeping ``keeps[i]`` cells at press i)."""
+    c = model.config
+    cache = kq.make_cache(model, "fp32", len(TOKENS))
+    nows = [PREFILL, PREFILL + 16]
+    g = torch.Generator().manual_seed(seed)
     costs = torch.rand(
         c.num_layers, 2, c.num_kv_heads, len(TOKENS), generator=g, dtype=torch.float64
     )
-    sim = pb.PerHeadFuture(cache, c.num_layers, c.num_kv_heads, len(TOKENS), costs, nows)
+    sim = make(cache, c.num_layers, c.num_kv_heads, len(TOKENS), costs, nows)
     seen = []
 
     def after(i: int) -> None:
         if i in nows:
-            sim.press(i + 1, first_keep if i == nows[0] else keep)
+            sim.press(i + 1, keeps[nows.index(i)])
             seen.append(sim.valid[:, :, : i + 1].clone())
 
-    pb.decode_logprobs(history_model, cache, TOKENS[: nows[1] + 2], PREFILL, after)
-    first, second = seen
+    pb.decode_logprobs(model, cache, TOKENS[: nows[1] + 2], PREFILL, after)
+    return costs, nows, seen
+
+
+def test_the_future_oracle_keeps_each_heads_costliest_cells(history_model: Llama) -> None:
+    c = history_model.config
+    first_keep, keep = 50, 30
+    costs, nows, (first, second) = future_presses(
+        history_model, pb.PerHeadFuture, (first_keep, keep), 3
+    )
     for layer in range(c.num_layers):
         for h in range(c.num_kv_heads):
             want = torch.zeros(nows[0] + 1, dtype=torch.bool)
@@ -207,24 +219,10 @@ def test_the_causal_heads_keep_the_cells_worth_most_per_row(
 
 
 def test_the_cell_oracle_keeps_the_cells_costliest_over_every_head(history_model: Llama) -> None:
-    c = history_model.config
-    cache = kq.make_cache(history_model, "fp32", len(TOKENS))
-    nows, first_keep, keep = [PREFILL, PREFILL + 16], 70, 75
-    g = torch.Generator().manual_seed(4)
-    costs = torch.rand(
-        c.num_layers, 2, c.num_kv_heads, len(TOKENS), generator=g, dtype=torch.float64
-    )
-    sim = pb.CellFuture(cache, c.num_layers, c.num_kv_heads, len(TOKENS), costs, nows)
-    seen = []
-
-    def after(i: int) -> None:
-        if i in nows:
-            sim.press(i + 1, first_keep if i == nows[0] else keep)
-            seen.append(sim.valid[:, :, : i + 1].clone())
-
-    pb.decode_logprobs(history_model, cache, TOKENS[: nows[1] + 2], PREFILL, after)
+    keeps = (70, 75)
+    costs, nows, seen = future_presses(history_model, pb.CellFuture, keeps, 4)
     gone = None
-    for i, (k, valid) in enumerate(zip((first_keep, keep), seen, strict=True)):
+    for i, (k, valid) in enumerate(zip(keeps, seen, strict=True)):
         n = nows[i] + 1
         s = costs[:, i, :, :n].sum(dim=(0, 1))
         s[n - pb.WINDOW :] = float("inf")
