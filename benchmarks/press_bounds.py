@@ -36,8 +36,8 @@ unpressed cache. Nine ways to choose what stays, each at every ``--caps`` value:
 The oracles that see ``--every`` queries ahead do no better than snapkv; those that see the
 whole future (``futureattn``, ``futureout``) come within the goal's reach: what a quarter of
 the history must hold is what the queries far ahead will need, per head, and that is what a
-causal press has to predict (README, issue 14). ``cellout`` is the bound for a cell cache
-(one decision per cell, the memory really freed): far above the goal at 1/4.
+causal press has to predict (README, issue 14). ``cellout`` is the same foresight for a cell
+cache (one decision per cell, the memory really freed): far above the goal at 1/4.
 
     python benchmarks/press_bounds.py                   # caps 0.25 0.5, every mode, ~1 h
     python benchmarks/press_bounds.py --quick           # cap 0.25, snapkv and perhead
