@@ -69,6 +69,7 @@ CODECS = [
 ]
 WINDOW, PREFILL, CHUNK = 2048, 1024, 64
 DECODE_PRESS_GOAL = 5.0  # issue 14: ΔPPL in % with the cache capped at 1/4 of the history
+DECODE_PRESS_CAP = 0.25  # ... the goal's cap: a looser cap gets no verdict
 
 
 def parse(spec: str) -> dict[str, str | None]:
@@ -104,6 +105,8 @@ def pressed_logprobs(
     from kvcache.press import make_press
 
     press = make_press(spec) if isinstance(spec, str) else spec
+    if press.needs_model:  # snapout reads the output projections
+        press.bind(model)
     cache = make_cache(model, codec, WINDOW)
     held = 0.0
     with press.observe(cache):
@@ -349,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(pressed, ["codec", "press", "cap", "every", "held_fraction", *cols[1:5]]))
         for r in pressed:
             met = "met" if r["dppl_pct"] <= DECODE_PRESS_GOAL else "missed"
+            if r["cap"] > DECODE_PRESS_CAP:  # more of the history held than the goal allows
+                met = "no verdict"
             print(
                 f"[{met}] {r['codec']} + {r['press']} capped at {r['cap']:g} of the history: "
                 f"ΔPPL {r['dppl_pct']:+.2f}% (issue 14: <= {DECODE_PRESS_GOAL:g}% at 1/4)"

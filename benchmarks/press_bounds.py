@@ -68,6 +68,7 @@ from kvcache.forward import ForwardPlan  # noqa: E402
 from kvcache.models.llama import Llama  # noqa: E402
 from kvcache.press.base import Press, Scoring, newest_first, top_cells  # noqa: E402
 from kvcache.press.snapkv import KERNEL, WINDOW  # noqa: E402
+from kvcache.press.snapout import moved, out_factor  # noqa: E402
 
 MODES = (
     "snapkv",
@@ -257,20 +258,6 @@ class PerHeadH2O(PerHead):
         s = self.paid[layer, :, :n] / self.rows[layer, :, :n].clamp_min(1)
         s[:, max(0, n - WINDOW) :] = math.inf
         return s
-
-
-def out_factor(wo: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """R^T [Hq, D, D] float64 of each query head's slice of the output projection ``wo``
-    [E, Hq * D] (Wo_hq = Q R): |Wo_hq x| = |x R^T|, in D dimensions instead of E."""
-    return torch.linalg.qr(wo.double().view(wo.shape[0], -1, head_dim).transpose(0, 1))[1].mT
-
-
-def moved(p: torch.Tensor, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """[Hq, T, n]: how far each row's output would move were cell n alone gone,
-    p / (1 - p) * |o - v_n| (1 - p clamped at 1e-6), from the weights p [Hq, T, n], the
-    outputs o [Hq, T, D'] and the values v [Hq, n, D'] (both through out_factor)."""
-    exact = "donot_use_mm_for_euclid_dist"  # the mm form loses digits here
-    return p / (1 - p).clamp_min(1e-6) * torch.cdist(o, v, compute_mode=exact)
 
 
 class PerHeadOut(PerHeadH2O):

@@ -17,7 +17,7 @@ def test_generator_presses_each_request_after_prefill(history_model: Llama) -> N
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 97, 100).tolist(), rng.integers(0, 97, 80).tolist()]
     done = {}
-    for press in (None, "knorm:0.5", "snapkv:0.5", "snapkv:0.5,compact=1"):
+    for press in (None, "knorm:0.5", "snapkv:0.5", "snapkv:0.5,compact=1", "snapout:0.5"):
         gen = Generator(history_model, capacity=160, max_sequences=2, press=press)
         ids = gen.add_many(prompts, GenerationConfig(max_new_tokens=8))
         for _ in gen.run():
@@ -32,7 +32,8 @@ def test_generator_presses_each_request_after_prefill(history_model: Llama) -> N
             assert gen.engine.press is not None and not gen.engine.press.window.has(0)
         gen.close()
     assert all(len(t) == 8 for t in done["snapkv:0.5"])
-    for spec in ("snapkv:0.5", "snapkv:0.5,compact=1"):  # the engine = the library by hand
+    # the engine = the library by hand (snapout: bound to the engine's model)
+    for spec in ("snapkv:0.5", "snapkv:0.5,compact=1", "snapout:0.5"):
         assert done[spec][0] == by_hand(history_model, prompts[0], spec, 8)
 
 
@@ -41,7 +42,7 @@ def by_hand(
 ) -> list[int]:
     """Greedy tokens: prefill under observe, compress, then decode at next_position."""
     cache = model.new_cache(capacity)
-    press = make_press(spec) if isinstance(spec, str) else spec
+    press = make_press(spec).bind(model) if isinstance(spec, str) else spec
     if press is None:
         logits = model.forward(prompt, Batch(list(range(len(prompt))), [0] * len(prompt)), cache)
     else:

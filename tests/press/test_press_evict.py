@@ -270,6 +270,8 @@ def test_held_bytes_counts_rows_windows_and_records() -> None:
         "kvzip:0.5,sinks=-1",
         "kvzip:0.5,inner=knorm",
         "expected:0.5,future=x",
+        "snapout:0.5,kernel=5",
+        "snapout:0.5,window=0",
     ],
 )
 def test_bad_specs_get_typed_errors(spec: str) -> None:
@@ -291,6 +293,10 @@ def test_specs_and_registry() -> None:
     assert zip_.reconstructs and zip_.inner.chunk == 2048 and zip_.chunk == 16
     assert make_press("kvzip:0.3,chunk=512,sinks=2").chunk == 512
     assert not chunked.reconstructs and chunked.extra_cells(1000) == 0
+    assert not chunked.needs_model and zip_.needs_model
+    out = make_press("snapout:0.25,window=32")
+    assert (out.ratio, out.query_rows, out.needs_model, out.reconstructs) == (0.25, 32, True, False)
+    assert make_press("adakv:0.5,inner=snapout").needs_model  # a wrapper binds its inner press
 
 
 def test_decode_time_pressing_caps_the_cache(history_model: Llama) -> None:

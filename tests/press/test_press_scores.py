@@ -154,3 +154,51 @@ def test_chunkkv_keeps_whole_chunks() -> None:
     # a partial chunk: its best cells; one chunk of everything: the per-cell choice
     assert chunk_select(newest_first(score), 7, 4).tolist() == [0, 1, 2, 3, 4, 8, 9]
     assert chunk_select(newest_first(score), 5, 10).tolist() == [0, 1, 4, 5, 9]
+
+
+def test_snapout_scores_and_kept_cells_equal_the_output_moves(
+    history_model: Llama, tokens: list[int], states: list[ref.LayerStates]
+) -> None:
+    """Scores through each head's columns of Wo (the reference does not factorise it), and
+    the kept cells by the plain sum over layers and heads (not min-max per head)."""
+    cache, press = prefill(history_model, tokens, "snapout:0.25")  # 90 kept: sums matter
+    kept = 90
+    with pytest.raises(CallOrderError, match="bind"):
+        press.compress(cache, 0)
+    assert cache.positions(0) == list(range(T))  # refused before anything was evicted
+    press.bind(history_model)
+    wo = [layer.wo for layer in history_model.weights.layers]
+    want = torch.stack([ref.snapout(st, w) for st, w in zip(states, wo, strict=True)])
+    got = press.scores(press.scoring(cache, 0, kept))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    expect = ref.raw_decision(want, kept, 64)
+    assert expect != ref.cell_decision(ref.cell_score(want), kept)  # the sum decides here
+    assert press.compress(cache, 0) == T - kept
+    assert cache.positions(0) == expect
+
+
+def test_snapout_binds_a_model_or_refuses(history_model: Llama, tokens: list[int]) -> None:
+    from dataclasses import replace
+
+    from kvcache.errors import InvalidArgumentError
+    from kvcache.press import Reconstruction
+    from tiny_models import history_llama
+
+    press = make_press("snapout:0.5")
+    assert press.needs_model and not press.reconstructs
+    with pytest.raises(InvalidArgumentError, match="output_projections"):
+        press.bind(object())
+    rec = Reconstruction(history_model, [1], [2])
+    direct = make_press("snapout:0.5").bind(history_model).factors
+    assert direct is not None and press.bind(rec).factors is not None
+    for a, b in zip(press.factors, direct, strict=True):
+        assert torch.equal(a, b)  # a Reconstruction's model, as the model itself
+    three = history_llama(replace(history_model.config, num_layers=3), seed=0)
+    cache, _ = prefill(history_model, tokens, "snapkv:0.5")
+    wrong = make_press("snapout:0.5")
+    with wrong.observe(cache):
+        history_model.forward([5], Batch([T], [0]), cache)
+    wrong.bind(three)
+    with pytest.raises(InvalidArgumentError, match="3 layers"):
+        wrong.compress(cache, 0)
+    assert len(cache.positions(0)) == T + 1

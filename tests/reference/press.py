@@ -5,10 +5,11 @@
 RoPE (HuggingFace's rotate-half: x cos + rotate_half(x) sin), and keeps each layer's
 pre-RoPE queries, rotated queries and keys, and values. The score functions follow
 kvpress's presses (``SnapKVPress``, ``TOVAPress``, ``KnormPress``, ``StreamingLLMPress``,
-``ExpectedAttentionPress``, ``AdaKVPress``, ``KVzipPress``) on one sequence ([heads, tokens]
-instead of [batch, heads, tokens]); ``cell_decision`` is the documented rule that turns per-head scores
-into one decision per cell (kvcache.press.base): min-max per (layer, head), mean, the
-newest token then the top others (ties: the earlier token).
+``ExpectedAttentionPress``, ``AdaKVPress``, ``KVzipPress``; ``snapout`` is this library's
+own) on one sequence ([heads, tokens] instead of [batch, heads, tokens]); ``cell_decision``
+is the documented rule that turns per-head scores into one decision per cell
+(kvcache.press.base): min-max per (layer, head), mean, the newest token then the top others
+(ties: the earlier token); ``raw_decision`` is snapout's (plain sums).
 """
 
 from __future__ import annotations
@@ -92,6 +93,37 @@ def snapkv(st: LayerStates, window: int = 64, kernel: int = 5) -> torch.Tensor:
     scores = F.avg_pool1d(scores, kernel_size=kernel, padding=kernel // 2, stride=1)
     scores = scores.view(hkv, -1, scores.shape[-1]).mean(1)
     return F.pad(scores, (0, window), value=scores.max().item())  # [Hkv, T]
+
+
+def snapout(st: LayerStates, wo: torch.Tensor, window: int = 64) -> torch.Tensor:
+    """[Hkv, T]: for each query head h and window row q (softmax over the tokens up to the
+    row's), p / (1 - p) * |Wo_h (o_q - v_n)| with o_q the row's output and Wo_h the head's
+    columns of the output projection ``wo`` [E, Hq * D] (no factorisation), 1 - p clamped at
+    1e-6; the mean over the rows, summed over each KV head's query heads; the window's own
+    tokens score the layer's largest other score."""
+    t, hq, d = st.q.shape
+    hkv = st.k.shape[1]
+    g = hq // hkv
+    q = st.q[-window:].transpose(0, 1)  # [Hq, w, D]
+    keys, values = _repeat_kv(st.k, g), _repeat_kv(st.v, g)  # [Hq, T, D]
+    logits = q @ keys.transpose(1, 2) / math.sqrt(d)  # [Hq, w, T]
+    p = torch.softmax(logits + torch.full_like(logits, -math.inf).triu(t - window + 1), -1)
+    o = p @ values  # [Hq, w, D]
+    w_h = wo.double().view(wo.shape[0], hq, d)  # [E, Hq, D]
+    diff = o[:, :, None, :] - values[:, None, :, :]  # [Hq, w, T, D]
+    move = torch.einsum("ehd,hwtd->hwte", w_h, diff).norm(dim=-1)  # [Hq, w, T]
+    s = (p / (1 - p).clamp_min(1e-6) * move).mean(dim=1).view(hkv, g, t).sum(dim=1)
+    s[:, -window:] = s[:, :-window].max()
+    return s
+
+
+def raw_decision(scores: torch.Tensor, kept: int, window: int) -> list[int]:
+    """One decision per token from [L, H, T] summed as they are: the window's tokens, the
+    newest, then the largest sums (ties: the earlier token)."""
+    total = scores.double().sum(dim=(0, 1)).tolist()
+    t = len(total)
+    order = sorted(range(t), key=lambda i: (i < t - window, -total[i], i))
+    return sorted(order[:kept])
 
 
 def tova(st: LayerStates) -> torch.Tensor:

@@ -23,7 +23,8 @@ def add_press(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SPEC",
         help="after each prompt's prefill keep (1 - RATIO) of its cells: NAME:RATIO with NAME "
-        "streaming, snapkv, knorm, tova, expected, adakv, chunkkv or kvzip, e.g. chunkkv:0.5; "
+        "streaming, snapkv, snapout, knorm, tova, expected, adakv, chunkkv or kvzip, e.g. "
+        "chunkkv:0.5; "
         "chunkkv:0.5,inner=kvzip keeps what the model needs to repeat the prompt (a second "
         "pass over it) (turns prefix reuse off)",
     )

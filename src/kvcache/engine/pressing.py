@@ -6,8 +6,9 @@ sequence when its context has been computed (before its first sampled token's su
 fed); from then on its queries are no longer recorded. Prefix reuse is off with a press: a
 pressed prompt's cells no longer describe the prompt's blocks.
 
-A press that repeats the context through the model (``kvzip``) is bound to the engine's
-model, with the repeat request closed by the tokenizer's chat template (kvpress's choice, a
+A press that reads the model (``snapout``: its output projections) is bound to the
+engine's model. A press that repeats the context through the model (``kvzip``) is bound to it
+too, with the repeat request closed by the tokenizer's chat template (kvpress's choice, a
 plain newline for a model without one); it needs room for one chunk's repeat in the pool
 (``Press.extra_cells``) and a context at positions 0..n-1. A prefill that finds no such
 room (or a context already shifted) is left unpressed and counted (``press_skipped``): its
@@ -54,6 +55,8 @@ class Pressing:
         press = make_press(spec)
         if press.reconstructs:
             press.bind(reconstruction(model, tokenizer, spec))
+        elif press.needs_model:  # snapout: the output projections
+            press.bind(model)
         return cls(press, cache, stats)
 
     def prefilled(self, r: Request) -> None:

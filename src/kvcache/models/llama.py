@@ -126,6 +126,11 @@ class Llama:
         self._model_id: str | None = None
         self._check_shapes()
 
+    def output_projections(self) -> list[tuple[torch.Tensor, int]]:
+        """Each layer's attention output projection Wo [E, Hq * D] and the head size D
+        (what a press that weighs cells by their effect on the output reads)."""
+        return [(layer.wo, self.config.head_dim) for layer in self.weights.layers]
+
     @property
     def model_id(self) -> str:
         """Which model made a cache's K/V (snapshots refuse another's): the weights' source,

@@ -6,12 +6,14 @@ The API (what ``benchmarks/long_context.py`` and the engine call)::
     press = make_press("snapkv:0.5")       # NAME:RATIO[,OPTION=VALUE...], RATIO = fraction
                                            # removed, 0 <= RATIO < 1 (InvalidArgumentError)
     sorted(PRESSES)                        # adakv, chunkkv, expected, knorm, kvzip, snapkv,
-                                           # streaming, tova
+                                           # snapout, streaming, tova
     with press.observe(cache):             # the prefill: attention shows the press its queries
         logits = model.forward(tokens, batch, cache)
     freed = press.compress(cache, seq)     # evict seq's cells down to (1 - ratio); cells freed
     press.bind(Reconstruction(model, ...)) # kvzip only (it repeats the context through the
     press.compress(cache, seq, tokens=ids) # model): the model, then the context's tokens
+    make_press("snapout:0.5").bind(model)  # snapout reads the model's output projections
+    press.needs_model                      # whether bind must come first (kvzip, snapout)
     cache.held_bytes(seq)                  # bytes held by seq's cells (None: all sequences)
     total_compression(cache, seq)          # fp16 bytes of the history / held_bytes(seq)
     dp = press.during_decode(max_cells=N, every=K)

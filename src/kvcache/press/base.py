@@ -162,14 +162,21 @@ class Press(ABC):
         bound to a model (``bind``), takes the context's tokens and presses only once."""
         return False
 
+    @property
+    def needs_model(self) -> bool:
+        """Whether it must be bound to the model before it scores (``bind``): kvzip repeats
+        the context through it, snapout reads its output projections."""
+        return self.reconstructs
+
     def extra_cells(self, n: int) -> int:
         """Free cells the pool needs beyond the sequence's ``n`` while it is pressed (kvzip
         feeds a repeat of the context into it); 0 for a press that only reads."""
         return 0
 
     def bind(self, reconstruction: Any) -> Press:
-        """Give a reconstructing press its model and prompts (kvzip.Reconstruction); any
-        other press has nothing to bind and is returned as it is."""
+        """Give a press that ``needs_model`` what it needs: kvzip its model and prompts (a
+        kvzip.Reconstruction), snapout the model (or such a Reconstruction); any other
+        press has nothing to bind and is returned as it is."""
         return self
 
     def during_decode(self, max_cells: int, every: int = 1) -> DecodePress:
@@ -214,6 +221,10 @@ class Wrapper(Press):
     @property
     def reconstructs(self) -> bool:
         return self.inner.reconstructs
+
+    @property
+    def needs_model(self) -> bool:
+        return self.inner.needs_model
 
     def extra_cells(self, n: int) -> int:
         return self.inner.extra_cells(n)

@@ -8,6 +8,8 @@ wrapper):
     name       press                                   options (default)
     streaming  sinks + newest (StreamingLLM)           sinks (4)
     snapkv     pooled window attention (SnapKV)        window (64), kernel (5, odd)
+    snapout    the window's output moves, summed over  window (64)
+               layers and heads (needs ``bind(model)``, see snapout.py)
     knorm      lowest key norm (kvpress Knorm)         -
     tova       newest query's attention (TOVA)         -
     expected   expected future attention (kvpress)     rows (64), future (512), sinks (4),
@@ -32,12 +34,14 @@ from kvcache.press.expected import ExpectedAttention
 from kvcache.press.knorm import KeyNorm
 from kvcache.press.kvzip import KVzip
 from kvcache.press.snapkv import SnapKV
+from kvcache.press.snapout import SnapOut
 from kvcache.press.streaming import StreamingLLM
 from kvcache.press.tova import TOVA
 
 PRESSES: dict[str, Callable[..., Press]] = {
     "streaming": StreamingLLM,
     "snapkv": SnapKV,
+    "snapout": SnapOut,
     "knorm": KeyNorm,
     "tova": TOVA,
     "expected": ExpectedAttention,

@@ -39,6 +39,13 @@ def window_attention(ctx: Scoring, layer: int) -> tuple[torch.Tensor, np.ndarray
     return torch.softmax(logits, dim=-1), np.isin(ctx.pos, qpos)
 
 
+def observed_cells(ctx: Scoring, layer: int) -> np.ndarray:
+    """The cells kept as the window's own [n] (bool): those holding the observed rows'
+    tokens, or none when they alone would fill the budget (then every cell is scored)."""
+    window = np.isin(ctx.pos, ctx.queries(layer)[1])
+    return window if window.sum() < ctx.keep else np.zeros_like(window)
+
+
 class SnapKV(Press):
     """Keeps the cells the observation window attends to most (pooled)."""
 
@@ -55,10 +62,9 @@ class SnapKV(Press):
         return torch.stack([self._layer(ctx, layer) for layer in ctx.layers()])
 
     def _layer(self, ctx: Scoring, layer: int) -> torch.Tensor:
-        attn, window = window_attention(ctx, layer)  # [Hq, w, n], [n]
+        attn, _ = window_attention(ctx, layer)  # [Hq, w, n]
         hkv = ctx.kv(layer)[0].shape[1]
-        if window.sum() >= ctx.keep:  # the window alone fills the budget: score every cell
-            window = np.zeros_like(window)
+        window = observed_cells(ctx, layer)  # [n]
         prompt = torch.from_numpy(~window)
         s = attn.mean(dim=1)[:, prompt]  # [Hq, m]
         s = F.avg_pool1d(s[:, None, :], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
