@@ -85,12 +85,16 @@ class Generator:
         block_size: int = 1,
         spill: str = "memory",
         press: str | None = None,
+        press_cells: int | None = None,
+        press_every: int = 16,
     ) -> None:
         """``capacity``: positions per sequence (past it the context shifts); ``keep``:
         tokens a shift keeps at the start (default min(4, capacity // 4)); ``codec``: how
         the cache stores K/V (a ``kvcache.codecs`` spec; None: the model's dtype);
         ``spill``: where a preempted sequence's K/V waits ("memory" or "disk:PATH");
-        ``press``: a ``kvcache.press`` spec applied to each request after its prefill."""
+        ``press``: a ``kvcache.press`` spec applied to each request after its prefill;
+        ``press_cells``: and during decode, each request pressed back to that many cells
+        every ``press_every`` steps once it holds more."""
         config = EngineConfig(
             capacity=capacity,
             max_sequences=max_sequences,
@@ -102,6 +106,8 @@ class Generator:
             block_size=block_size,
             spill=spill,
             press=press,
+            press_cells=press_cells,
+            press_every=press_every,
         )
         self.engine = Engine(model, tokenizer, config)
         self.results: dict[int, Completion] = {}

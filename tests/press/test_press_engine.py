@@ -103,3 +103,69 @@ def test_generator_kvzip_repeats_each_context_through_the_model(history_model: L
     gen.close()
     with pytest.raises(InvalidArgumentError, match="tokenizer"):
         Generator(history_model, capacity=400, press="kvzip:0.5")
+
+
+def by_hand_decode(
+    model: Llama, prompt: list[int], spec: str, n: int, cells: int, every: int
+) -> tuple[list[int], int]:
+    """Greedy tokens and cells freed: the prompt pressed by the spec's ratio, then after
+    every ``every``-th decode step back to ``cells`` once it holds more."""
+    cache = model.new_cache(160)
+    press = make_press(spec).bind(model)
+    with press.observe(cache):
+        logits = model.forward(prompt, Batch(list(range(len(prompt))), [0] * len(prompt)), cache)
+        freed = press.compress(cache, 0)
+        out, steps = [int(logits[-1].argmax())], 0
+        while len(out) < n:
+            p = cache.next_position(0)
+            logits = model.forward([out[-1]], Batch([p], [0]), cache)
+            steps += 1
+            if steps % every == 0 and len(cache.cells_of(0)) > cells:
+                freed += press.compress_to(cache, 0, cells)
+            assert steps < every or len(cache.cells_of(0)) < cells + every
+            out.append(int(logits[0].argmax()))
+    return out, freed
+
+
+@pytest.mark.parametrize("spec", ["snapkv:0", "snapout:0", "snapout:0.5", "snapkv:0.3,compact=1"])
+def test_generator_presses_during_decode_back_to_press_cells(
+    history_model: Llama, spec: str
+) -> None:
+    """press_cells: each request pressed back to 40 cells every 8 decode steps, exactly as
+    the library does by hand (tokens and cells freed), beside another request."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 97, 60).tolist(), rng.integers(0, 97, 50).tolist()]
+    gen = Generator(
+        history_model, capacity=160, max_sequences=2, press=spec, press_cells=40, press_every=8
+    )
+    ids = gen.add_many(prompts, GenerationConfig(max_new_tokens=48))
+    for _ in gen.run():
+        pass
+    got = [gen.results[i].tokens for i in ids]
+    pressed = gen.stats.pressed_cells
+    gen.close()
+    want = [by_hand_decode(history_model, p, spec, 48, 40, 8) for p in prompts]
+    assert got == [w[0] for w in want]
+    # 107 and 97 cells fed, at most 40 + 7 held at the end
+    assert pressed == sum(w[1] for w in want) >= (107 - 47) + (97 - 47)
+
+
+def test_press_cells_needs_a_press_that_scores_without_repeating() -> None:
+    from kvcache.commands.options import check_press
+    from kvcache.engine.params import EngineConfig
+    from kvcache.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="press_cells"):
+        EngineConfig(press_cells=64)
+    with pytest.raises(InvalidConfigError, match="kvzip"):
+        EngineConfig(press="kvzip:0.5", press_cells=64)
+    with pytest.raises(InvalidConfigError, match="press_cells"):
+        EngineConfig(press="snapkv:0.5", press_cells=0)
+    with pytest.raises(InvalidConfigError, match="press_every"):
+        EngineConfig(press="snapkv:0.5", press_cells=64, press_every=0)
+    assert EngineConfig(press="snapout:0", press_cells=64).press_cells == 64
+    for spec, cells, every in [(None, 64, 16), ("kvzip:0.5", 64, 16), ("snapkv:0.5", 0, 16),
+                               ("snapkv:0.5", 64, 0)]:  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match="--press"):
+            check_press(spec, cells, every)
+    check_press("snapout:0", 64, 8)

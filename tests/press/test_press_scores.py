@@ -202,3 +202,21 @@ def test_snapout_binds_a_model_or_refuses(history_model: Llama, tokens: list[int
     with pytest.raises(InvalidArgumentError, match="3 layers"):
         wrong.compress(cache, 0)
     assert len(cache.positions(0)) == T + 1
+
+
+def test_fast_output_moves_keep_their_digits_where_a_row_sits_on_one_cell() -> None:
+    """snapout's distances through a matrix product, in float32, against the exact
+    differences in float64: every row puts ~99.9 % of its attention on one cell, whose
+    distance p / (1 - p) multiplies by ~1000 (the product form alone is off there)."""
+    from kvcache.press.snapout import moved
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(2, 50, 16, generator=g) * 10  # [Hq, n, D]
+    logits = torch.randn(2, 8, 50, generator=g)
+    logits[:, :, 7] += 12.0
+    p = torch.softmax(logits, dim=-1)  # [Hq, T, n]
+    o = p @ v
+    assert float(p[:, :, 7].min()) > 0.99
+    want = moved(p.double(), o.double(), v.double())  # exact, float64
+    got = moved(p, o, v, exact=False).double()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-5 * float(want.max()))

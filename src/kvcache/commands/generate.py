@@ -134,6 +134,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             window=args.window,
             codec=args.kv_codec,
             press=args.press,
+            press_cells=args.press_cells,
+            press_every=args.press_every,
         )
         if args.session is not None:
             _open_session(gen, args.session, ids)
@@ -197,7 +199,7 @@ def _config(args: argparse.Namespace) -> GenerationConfig:
     if args.parallel < 1:
         raise InvalidArgumentError("-n/--parallel", args.parallel, "an int >= 1")
     check_kv_codec(args.kv_codec)  # a bad spec fails before the weights load
-    check_press(args.press)
+    check_press(args.press, args.press_cells, args.press_every)
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),

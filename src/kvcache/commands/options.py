@@ -17,25 +17,46 @@ def add_kv_codec(parser: argparse.ArgumentParser) -> None:
 
 
 def add_press(parser: argparse.ArgumentParser) -> None:
-    """``--press SPEC``: evict cells of each request after its prefill (``kvcache.press``)."""
+    """``--press SPEC`` (evict cells of each request after its prefill, ``kvcache.press``),
+    ``--press-cells N`` and ``--press-every K`` (and during decode)."""
     parser.add_argument(
         "--press",
         default=None,
         metavar="SPEC",
         help="after each prompt's prefill keep (1 - RATIO) of its cells: NAME:RATIO with NAME "
         "streaming, snapkv, snapout, knorm, tova, expected, adakv, chunkkv or kvzip, e.g. "
-        "chunkkv:0.5; "
-        "chunkkv:0.5,inner=kvzip keeps what the model needs to repeat the prompt (a second "
-        "pass over it) (turns prefix reuse off)",
+        "chunkkv:0.5; chunkkv:0.5,inner=kvzip keeps what the model needs to repeat the prompt "
+        "(a second pass over it) (turns prefix reuse off)",
+    )
+    parser.add_argument(
+        "--press-cells",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --press: during decode, press each request back to N cells every "
+        "--press-every steps once it holds more (snapout:0 presses during decode only)",
+    )
+    parser.add_argument(
+        "--press-every",
+        type=int,
+        default=16,
+        metavar="K",
+        help="with --press-cells: decode steps between presses (default 16)",
     )
 
 
-def check_press(spec: str | None) -> None:
-    """Raise InvalidArgumentError for a bad ``--press`` before any weights load."""
+def check_press(spec: str | None, cells: int | None = None, every: int = 16) -> None:
+    """Raise InvalidArgumentError for a bad ``--press`` / ``--press-cells`` /
+    ``--press-every`` before any weights load."""
+    from kvcache.errors import InvalidArgumentError
     from kvcache.press import make_press
 
-    if spec is not None:
-        make_press(spec)
+    press = None if spec is None else make_press(spec)
+    if cells is not None and (press is None or press.reconstructs or cells < 1):
+        allowed = "an int >= 1, with a --press that scores without repeating the context"
+        raise InvalidArgumentError("--press-cells", cells, allowed)
+    if every < 1:
+        raise InvalidArgumentError("--press-every", every, "an int >= 1")
 
 
 def check_kv_codec(spec: str | None) -> None:

@@ -145,7 +145,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if not 0 <= args.port < 65536:
         raise InvalidArgumentError("--port", args.port, "a port number in [0, 65535]")
     check_kv_codec(args.kv_codec)  # a bad spec fails before the weights load
-    check_press(args.press)
+    check_press(args.press, args.press_cells, args.press_every)
     return EngineConfig(
         capacity=args.capacity,
         max_sequences=args.max_sequences,
@@ -156,6 +156,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         preemption="recompute" if args.spill == "off" else "spill",
         spill="memory" if args.spill == "off" else args.spill,
         press=args.press,
+        press_cells=args.press_cells,
+        press_every=args.press_every,
     )
 
 

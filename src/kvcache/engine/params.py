@@ -32,6 +32,8 @@ class EngineConfig:
     spill: str = "memory"  # where spilled cells wait: "memory" | "disk:PATH" (engine/spill.py)
     holder_eviction: str = "demote"  # kvcache.engine.pressure.HOLDER_EVICTIONS
     press: str | None = None  # kvcache.press spec applied after each prefill (no prefix reuse)
+    press_cells: int | None = None  # with press: each request pressed back to this many cells
+    press_every: int = 16  # ... every this many decode steps, once it holds more
 
     def __post_init__(self) -> None:
         config_int("capacity", self.capacity, 2)
@@ -50,10 +52,23 @@ class EngineConfig:
                 raise InvalidConfigError(
                     "keep", self.keep, f"an int < capacity // 2 = {self.capacity // 2}"
                 )
+        optional_config_int("press_cells", self.press_cells, 1)
+        config_int("press_every", self.press_every, 1)
         if self.press is not None:
             from kvcache.press import make_press
 
-            make_press(self.press)  # InvalidArgumentError naming the spec
+            press = make_press(self.press)  # InvalidArgumentError naming the spec
+            if self.press_cells is not None and press.reconstructs:
+                raise InvalidConfigError(
+                    "press_cells",
+                    self.press_cells,
+                    f"None with {self.press!r} (kvzip presses "
+                    "once, after a prefill: it repeats the context through the model)",
+                )
+        elif self.press_cells is not None:
+            raise InvalidConfigError(
+                "press_cells", self.press_cells, "None without a press (press='snapout:0' ...)"
+            )
         if self.preemption not in PREEMPTIONS:
             raise InvalidConfigError("preemption", self.preemption, f"one of {list(PREEMPTIONS)}")
         spill_tier(self.spill)  # raises InvalidConfigError for a bad spec

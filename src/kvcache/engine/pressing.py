@@ -1,10 +1,18 @@
-"""The engine's press: each request's cells pressed once, right after its prefill.
+"""The engine's press: each request's cells pressed right after its prefill, and with
+``press_cells`` during decode too.
 
 ``--press SPEC`` (``kvcache.press``): the press observes the cache's queries for the
 engine's lifetime, keeps each prefilling sequence's newest query rows, and compresses the
 sequence when its context has been computed (before its first sampled token's successor is
 fed); from then on its queries are no longer recorded. Prefix reuse is off with a press: a
 pressed prompt's cells no longer describe the prompt's blocks.
+
+``--press-cells N`` (``press_cells``): the queries of each request keep being recorded (the
+newest rows only), and every ``press_every`` decode steps a request holding more than N
+cells is pressed back to N, as ``Press.during_decode`` does by hand; the spec's ratio still
+presses the prompt (``snapout:0``: during decode only). Memory per request then stays under
+N + ``press_every`` cells however long it generates; positions go on as before (mask only),
+so the context still shifts at ``capacity`` positions.
 
 A press that reads the model (``snapout``: its output projections) is bound to the
 engine's model. A press that repeats the context through the model (``kvzip``) is bound to it
@@ -35,11 +43,20 @@ FP16 = 2
 class Pressing:
     """One press over the engine's cache (see the module docstring)."""
 
-    def __init__(self, press: Press, cache: CausalCache, stats: EngineStats) -> None:
+    def __init__(
+        self,
+        press: Press,
+        cache: CausalCache,
+        stats: EngineStats,
+        max_cells: int | None = None,
+        every: int = 16,
+    ) -> None:
         self.press, self.cache, self.stats = press, cache, stats
+        self.max_cells, self.every = max_cells, every
         self.window: QueryWindow = press.observe(cache)
         self.window.__enter__()
         self._done: set[int] = set()  # ids of the requests pressed
+        self._steps: dict[int, int] = {}  # request id -> decode steps since its prefill
 
     @classmethod
     def start(
@@ -49,6 +66,8 @@ class Pressing:
         stats: EngineStats,
         model: Any = None,
         tokenizer: Tokenizer | None = None,
+        max_cells: int | None = None,
+        every: int = 16,
     ) -> Pressing | None:
         if spec is None:
             return None
@@ -57,20 +76,35 @@ class Pressing:
             press.bind(reconstruction(model, tokenizer, spec))
         elif press.needs_model:  # snapout: the output projections
             press.bind(model)
-        return cls(press, cache, stats)
+        return cls(press, cache, stats, max_cells, every)
 
-    def prefilled(self, r: Request) -> None:
-        """``r`` computed its whole context: press its sequence (once). A compacting press
-        renumbers the survivors, so ``r.context`` keeps their tokens only (as a context
-        shift does) and the request goes on at the new next position."""
-        seq = r.seq
-        if r.id in self._done:  # pressed already (a spilled request comes back pressed)
+    def sampled(self, r: Request) -> None:
+        """``r`` sampled a token: its whole context is computed. The first time, press its
+        prompt; after that, with ``max_cells``, press it back to ``max_cells`` every
+        ``every`` decode steps once it holds more."""
+        if r.id not in self._done:
+            self._prefilled(r)
             return
+        if self.max_cells is None:
+            return
+        steps = self._steps[r.id] = self._steps.get(r.id, 0) + 1
+        seq = r.seq
+        if steps % self.every or len(self.cache.cells_of(seq)) <= self.max_cells:
+            return
+        if self.press.query_rows and not self.window.has(seq):
+            return  # restored from a spill: no query of it seen yet
+        self._press(r, self.max_cells)
+
+    def _prefilled(self, r: Request) -> None:
+        """Press ``r``'s prompt (once). A compacting press renumbers the survivors, so
+        ``r.context`` keeps their tokens only (as a context shift does) and the request
+        goes on at the new next position."""
+        seq = r.seq
         self._done.add(r.id)
-        cells = self.cache.cells_of(seq)  # by position
-        positions = np.asarray(self.cache.positions(seq))
         tokens = None
         if self.press.reconstructs:  # kvzip: the context's tokens, room for their repeat
+            cells = self.cache.cells_of(seq)
+            positions = np.asarray(self.cache.positions(seq))
             fresh = len(cells) == r.fed and np.array_equal(positions, np.arange(len(cells)))
             if not fresh or self.cache.free_cells() < self.press.extra_cells(len(cells)):
                 self.stats.press_skipped += 1  # no room for the repeat, or a shifted context
@@ -78,18 +112,31 @@ class Pressing:
                 self.window.ignored.add(seq)
                 return
             tokens = r.context[: r.fed]
-        self.stats.pressed_cells += self.press.compress(self.cache, seq, tokens=tokens)
-        if self.press.compact:
+        self._press(r, None, tokens)
+        if self.max_cells is None:  # nothing more to press: its queries are not needed
+            self.window.forget(seq)
+            self.window.ignored.add(seq)
+
+    def _press(self, r: Request, keep: int | None, tokens: list[int] | None = None) -> None:
+        """Press ``r``'s sequence by the press's ratio (``keep`` None) or to ``keep`` cells."""
+        seq = r.seq
+        cells = self.cache.cells_of(seq)  # by position
+        positions = np.asarray(self.cache.positions(seq))
+        if keep is None:
+            freed = self.press.compress(self.cache, seq, tokens=tokens)
+        else:
+            freed = self.press.compress_to(self.cache, seq, keep)
+        self.stats.pressed_cells += freed
+        if self.press.compact and freed:
             kept = positions[np.isin(cells, self.cache.cells_of(seq))]
             assert len(r.context) == r.fed == int(positions[-1]) + 1, (len(r.context), r.fed)
             r.context = [r.context[p] for p in kept.tolist()]
             r.fed = len(r.context)
-        self.window.forget(seq)
-        self.window.ignored.add(seq)
 
     def recompute(self, r: Request) -> None:
         """``r`` computes its context again (preempted, not restored): press it again."""
         self._done.discard(r.id)
+        self._steps.pop(r.id, None)
 
     def finished(self, r: Request) -> None:
         """``r`` ended, or lost its sequence (preempted): its queries go (its id stays

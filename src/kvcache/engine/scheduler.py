@@ -110,7 +110,9 @@ class Engine:
         self.context = context_policy(c.context, c.capacity, c.kept_tokens, c.window)
         self.preemption = PREEMPTIONS[c.preemption](c.spill)
         self.reuse: PrefixReuse | NoReuse = NoReuse(self.cache)
-        self.press = Pressing.start(c.press, self.cache, self.stats, model, tokenizer)
+        self.press = Pressing.start(
+            c.press, self.cache, self.stats, model, tokenizer, c.press_cells, c.press_every
+        )
         if c.prefix_cache and self.press is None:  # a pressed prompt is no prefix to share
             self.reuse = PrefixReuse(
                 self.cache,
@@ -368,7 +370,7 @@ class Engine:
             if not samples:
                 continue
             if self.press is not None:
-                self.press.prefilled(r)
+                self.press.sampled(r)
             self.reuse.on_prefilled(r)
             events.append(self._accept(r, picker.pick(row, r)))
             row += 1

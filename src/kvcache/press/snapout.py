@@ -43,7 +43,7 @@ from kvcache.press.base import Press, Scoring, newest_first, top_cells
 from kvcache.press.snapkv import WINDOW, observed_cells, window_attention
 
 CLAMP = 1e-6  # 1 - p floor: a cell that holds all of a row's attention
-EXACT = "donot_use_mm_for_euclid_dist"  # cdist's mm form loses digits at these distances
+EXACT = "donot_use_mm_for_euclid_dist"  # cdist's mm form loses digits where o nears v
 
 
 def out_factor(wo: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -53,11 +53,22 @@ def out_factor(wo: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.linalg.qr(heads)[1].mT
 
 
-def moved(p: torch.Tensor, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def moved(p: torch.Tensor, o: torch.Tensor, v: torch.Tensor, exact: bool = True) -> torch.Tensor:
     """[Hq, T, n]: how far each row's output would move were cell n alone gone,
     p / (1 - p) * |o - v_n|, from the weights p [Hq, T, n], the outputs o [Hq, T, D'] and
-    the values v [Hq, n, D'] (both through ``out_factor``)."""
-    return p / (1 - p).clamp_min(CLAMP) * torch.cdist(o, v, compute_mode=EXACT)
+    the values v [Hq, n, D'] (both through ``out_factor``).
+
+    ``exact=False`` (the press): the distances as |o|^2 + |v|^2 - 2 o.v through a matrix
+    product, ten times faster than the exact differences, except each row's most attended
+    cell, whose distance is taken exactly: only there can p / (1 - p) be large (p > 1/2 for
+    at most one cell), and there o nears v_n, where the product form loses its digits."""
+    if exact:
+        return p / (1 - p).clamp_min(CLAMP) * torch.cdist(o, v, compute_mode=EXACT)
+    d = torch.cdist(o, v, compute_mode="use_mm_for_euclid_dist")  # [Hq, T, n]
+    top = p.argmax(dim=-1, keepdim=True)  # [Hq, T, 1]
+    near = v.gather(1, top.expand(-1, -1, v.shape[-1]))  # [Hq, T, D'] its value
+    d.scatter_(-1, top, (o - near).norm(dim=-1, keepdim=True))
+    return p / (1 - p).clamp_min(CLAMP) * d
 
 
 class SnapOut(Press):
@@ -110,7 +121,7 @@ class SnapOut(Press):
         (hq, _, n), hkv = attn.shape, v.shape[1]
         rt = factor.to(v.dtype)  # R^T [Hq, D, D]
         vh = v.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # [Hq, n, D]
-        cost = moved(attn, (attn @ vh) @ rt, vh @ rt)  # [Hq, w, n]
+        cost = moved(attn, (attn @ vh) @ rt, vh @ rt, exact=False)  # [Hq, w, n]
         s = cost.mean(dim=1).view(hkv, -1, n).sum(dim=1)  # [Hkv, n]
         window = torch.from_numpy(observed_cells(ctx, layer))
         s[:, window] = s[:, ~window].max() if (~window).any() else 1.0
