@@ -90,6 +90,21 @@ def test_press_frees_cells_and_the_stats_line_shows_it(capsys: pytest.CaptureFix
     assert "snapkv:1.5" in capsys.readouterr().err
 
 
+def test_press_cells_caps_a_long_generation(capsys: pytest.CaptureFixture[str]):
+    """--press-cells 16 --press-every 4 with snapout:0 (decode only): the prompt's P + 47
+    tokens fed, at most 19 cells held at the end: the held bytes at most 19 / (P + 47) of
+    the plain run's."""
+    ratios, prompt = {}, 0
+    for cap in ((), ("--press", "snapout:0", "--press-cells", "16", "--press-every", "4")):
+        args = ("--temperature", "0", "--max-new-tokens", "48", *cap, "Once upon a time")
+        code, lines = run_cli(capsys, *args)
+        assert code == 0
+        match = STATS.match(lines[-1])
+        assert match, lines[-1]
+        ratios[bool(cap)], prompt = float(match.group(2)), int(match.group(1))
+    assert ratios[True] >= 0.99 * ratios[False] * (prompt + 47) / 19  # (ratios are rounded)
+
+
 def test_help_is_instant_and_readable():
     out = subprocess.run(
         [sys.executable, "-m", "kvcache.cli", "generate", "--help"],

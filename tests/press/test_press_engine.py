@@ -169,3 +169,22 @@ def test_press_cells_needs_a_press_that_scores_without_repeating() -> None:
         with pytest.raises(InvalidArgumentError, match="--press"):
             check_press(spec, cells, every)
     check_press("snapout:0", 64, 8)
+
+
+def test_serve_and_generate_pass_the_press_options_on() -> None:
+    import argparse
+
+    from kvcache.commands import generate, serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser)
+    argv = ["--press", "snapout:0", "--press-cells", "256", "--press-every", "4"]
+    config = serve._engine_config(parser.parse_args(argv))
+    assert (config.press, config.press_cells, config.press_every) == ("snapout:0", 256, 4)
+    assert serve._engine_config(parser.parse_args([])).press_cells is None
+    with pytest.raises(InvalidArgumentError, match="--press-cells"):
+        serve._engine_config(parser.parse_args(["--press-cells", "256"]))
+    parser = argparse.ArgumentParser()
+    generate.register(parser)
+    args = parser.parse_args(["hello", *argv])
+    assert (args.press_cells, args.press_every) == (256, 4)
