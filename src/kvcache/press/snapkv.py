@@ -34,8 +34,10 @@ def window_attention(ctx: Scoring, layer: int) -> tuple[torch.Tensor, np.ndarray
     (w, hq, d), hkv = q.shape, k.shape[1]
     qg = q.reshape(w, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)  # [Hkv, G*w, D]
     logits = (qg @ k.permute(1, 2, 0)).view(hq, w, -1) / math.sqrt(d)  # [Hq, w, n]
-    visible = torch.from_numpy(ctx.pos[None, :] <= qpos[:, None])  # [w, n]
-    logits = logits.masked_fill(~visible, float("-inf"))
+    # every row sees the cells before its oldest row's position: only the tail is masked
+    tail = int(np.searchsorted(ctx.pos, qpos.min(), side="right")) if w else len(ctx.pos)
+    later = torch.from_numpy(ctx.pos[None, tail:] > qpos[:, None])  # [w, n - tail]
+    logits[:, :, tail:].masked_fill_(later, float("-inf"))
     return torch.softmax(logits, dim=-1), np.isin(ctx.pos, qpos)
 
 
