@@ -188,3 +188,15 @@ def test_serve_and_generate_pass_the_press_options_on() -> None:
     generate.register(parser)
     args = parser.parse_args(["hello", *argv])
     assert (args.press_cells, args.press_every) == (256, 4)
+
+
+def test_decode_pressing_forgets_finished_requests(history_model: Llama) -> None:
+    """A long-running engine keeps no per-request decode state once a request ends."""
+    gen = Generator(history_model, capacity=160, press="snapkv:0", press_cells=20, press_every=4)
+    gen.add_many([[5] * 30, [7] * 30], GenerationConfig(max_new_tokens=12))
+    for _ in gen.run():
+        pass
+    press = gen.engine.press
+    assert press is not None and gen.stats.pressed_cells > 0
+    assert press._steps == {} and not press.window.has(0)
+    gen.close()

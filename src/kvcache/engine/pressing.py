@@ -139,10 +139,12 @@ class Pressing:
         self._steps.pop(r.id, None)
 
     def finished(self, r: Request) -> None:
-        """``r`` ended, or lost its sequence (preempted): its queries go (its id stays
-        pressed: a spilled request comes back with its pressed cells)."""
+        """``r`` ended, or lost its sequence (preempted): its queries and its decode step
+        count go (its id stays pressed: a spilled request comes back with its pressed
+        cells, and counts its steps from there)."""
         self.window.ignored.discard(r.seq)
         self.window.forget(r.seq)
+        self._steps.pop(r.id, None)
 
 
 def fp16_row_bytes(cache: CausalCache) -> int:
