@@ -200,3 +200,39 @@ def test_decode_pressing_forgets_finished_requests(history_model: Llama) -> None
     assert press is not None and gen.stats.pressed_cells > 0
     assert press._steps == {} and not press.window.has(0)
     gen.close()
+
+
+@pytest.mark.parametrize("spec", ["snapkv:0", "snapkv:0.2,compact=1", "snapout:0"])
+@pytest.mark.parametrize("preemption", ["spill", "recompute"])
+def test_decode_pressing_goes_on_through_preemption(
+    history_model: Llama, spec: str, preemption: str
+) -> None:
+    """4 requests of 20 + 60 tokens in a pool of 96 cells, each pressed back to 24 cells:
+    a request is preempted (spilled and restored, or recomputed) and every one still runs
+    its length, pressed after it comes back (by the queries seen since)."""
+    from greedy_reference import random_prompt
+    from kvcache.engine import Engine, EngineConfig, RequestParams
+
+    config = EngineConfig(
+        capacity=96,
+        max_sequences=4,
+        pool_sequences=1,
+        max_batch=64,
+        press=spec,
+        press_cells=24,
+        press_every=4,
+        preemption=preemption,
+    )
+    engine = Engine(history_model, config=config)
+    reqs = [
+        engine.submit(random_prompt(20, seed=30 + i), RequestParams(max_tokens=60))
+        for i in range(4)
+    ]
+    engine.run()
+    s = engine.stats
+    assert all(r.finish_reason == "length" and len(r.generated) == 60 for r in reqs)
+    assert s.preemptions >= 1 and s.restores == s.spills == (
+        s.preemptions if preemption == "spill" else 0
+    )
+    # 4 x 79 cells fed (the recomputed context once more), at most 27 held at each end
+    assert s.pressed_cells >= 4 * (79 - 27)

@@ -91,9 +91,7 @@ class Pressing:
         seq = r.seq
         if steps % self.every or len(self.cache.cells_of(seq)) <= self.max_cells:
             return
-        if self.press.query_rows and not self.window.has(seq):
-            return  # restored from a spill: no query of it seen yet
-        self._press(r, self.max_cells)
+        self._press(r, self.max_cells)  # the step's own query was just seen, even after a spill
 
     def _prefilled(self, r: Request) -> None:
         """Press ``r``'s prompt (once). A compacting press renumbers the survivors, so
