@@ -47,16 +47,15 @@ def add_press(parser: argparse.ArgumentParser) -> None:
 
 def check_press(spec: str | None, cells: int | None = None, every: int = 16) -> None:
     """Raise InvalidArgumentError for a bad ``--press`` / ``--press-cells`` /
-    ``--press-every`` before any weights load."""
-    from kvcache.errors import InvalidArgumentError
-    from kvcache.press import make_press
+    ``--press-every`` before any weights load (EngineConfig's rules, named as options)."""
+    from kvcache.engine.params import EngineConfig
+    from kvcache.errors import InvalidArgumentError, InvalidConfigError
 
-    press = None if spec is None else make_press(spec)
-    if cells is not None and (press is None or press.reconstructs or cells < 1):
-        allowed = "an int >= 1, with a --press that scores without repeating the context"
-        raise InvalidArgumentError("--press-cells", cells, allowed)
-    if every < 1:
-        raise InvalidArgumentError("--press-every", every, "an int >= 1")
+    try:
+        EngineConfig(press=spec, press_cells=cells, press_every=every)
+    except InvalidConfigError as err:
+        option = "--" + err.name.replace("_", "-")
+        raise InvalidArgumentError(option, err.value, err.allowed) from None
 
 
 def check_kv_codec(spec: str | None) -> None:
