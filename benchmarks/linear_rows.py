@@ -51,7 +51,9 @@ def rows_for(
     out = []
     for m in rows:
         x = torch.randn(m, k, generator=g)
-        t_kernel = median_seconds(lambda x=x: ext.linear_rows(x, w, empty), repeats, warmup=2)
+        t_kernel = median_seconds(
+            lambda x=x: ext.linear_rows(x, w, empty, empty, empty, 0.0, False), repeats, warmup=2
+        )
         t_torch = median_seconds(lambda x=x: F.linear(x, w), repeats, warmup=2)
         out.append(
             {

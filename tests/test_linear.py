@@ -108,10 +108,77 @@ def test_add_linear_adds_the_residual() -> None:
 def test_bad_bias_is_refused_by_the_kernel() -> None:
     ext = L.extension()
     x, w = torch.randn(2, 16), torch.randn(5, 16)
+    e = torch.empty(0)
     with pytest.raises(RuntimeError, match="bias"):
-        ext.linear_rows(x, w, torch.randn(4))
+        ext.linear_rows(x, w, torch.randn(4), e, e, 0.0, False)
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        ext.linear_rows(x[:, :12].contiguous(), w[:, :12].contiguous(), torch.empty(0))
+        ext.linear_rows(x[:, :12].contiguous(), w[:, :12].contiguous(), e, e, e, 0.0, False)
+    with pytest.raises(RuntimeError, match="residual"):
+        ext.linear_rows(x, w, e, torch.randn(2, 4), e, 0.0, False)
+    with pytest.raises(RuntimeError, match="norm"):
+        ext.linear_rows(x, w, e, e, torch.randn(15), 1e-5, False)
+    with pytest.raises(RuntimeError, match="glu"):
+        ext.linear_rows(x, w, e, e, e, 0.0, True)  # glu takes [M, 2K]
+    with pytest.raises(RuntimeError, match="not both"):
+        ext.linear_rows(torch.randn(2, 32), w, e, e, torch.randn(16), 1e-5, True)
+
+
+@pytest.mark.parametrize("k", [64, 576])
+def test_norm_linear_is_the_two_calls_in_one(k: int) -> None:
+    """``norm_linear`` gives the bits of ``linear(rms_norm(x))`` (the kernel's one formula),
+    within float32 rounding of the float64 reference, fused or (prompt-sized) not."""
+    g = torch.Generator().manual_seed(k + 11)
+    w, nw = torch.randn(40, k, generator=g), torch.randn(k, generator=g)
+    for m in (1, 3, L.MAX_ROWS, L.MAX_ROWS + 5):
+        x = torch.randn(m, k, generator=g) * 3.0
+        got = L.norm_linear(x, nw, 1e-5, w)
+        normed = L.rms_norm(x, nw, 1e-5)
+        assert torch.equal(got, L.linear(normed, w)), m
+        ref = _rms_reference(x, nw, 1e-5) @ w.double().t()
+        bound = _bound(normed, w) + (k + 8) * 2.0**-24 * (
+            normed.double().abs() @ w.double().abs().t()
+        )
+        assert ((got.double() - ref).abs() <= bound + 1e-6).all(), m
+
+
+def _glu_reference(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.double().chunk(2, dim=-1)
+    return a * torch.sigmoid(a) * b
+
+
+@pytest.mark.parametrize("k", [64, 1536])
+def test_add_linear_glu_is_swiglu_then_the_product(k: int) -> None:
+    """``add_linear(r, gate_up, w, glu=True)`` = r + (silu(gate) * up) @ w^T: against float64
+    (the kernel's silu within a few float32 roundings of each hidden value) and against
+    torch's F.silu chain, fused (decode rows) and not (prompt rows)."""
+    g = torch.Generator().manual_seed(k + 12)
+    w = torch.randn(48, k, generator=g)
+    for m in (1, 4, L.MAX_ROWS, L.MAX_ROWS + 2):
+        x, r = torch.randn(m, 2 * k, generator=g) * 2.0, torch.randn(m, 48, generator=g)
+        got = L.add_linear(r, x, w, glu=True)
+        hidden = _glu_reference(x)
+        ref = r.double() + hidden @ w.double().t()
+        abs_terms = hidden.abs() @ w.double().abs().t()
+        bound = (k + 8) * 2.0**-23 * abs_terms + 2.0**-23 * r.double().abs()
+        assert ((got.double() - ref).abs() <= bound + 1e-6).all(), m
+        torch_chain = r + F.linear(F.silu(x[:, :k]) * x[:, k:], w)
+        torch.testing.assert_close(got, torch_chain, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_rows_do_not_depend_on_their_batch() -> None:
+    """norm_linear and the SwiGLU add_linear: a row alone and in a batch, the same bits."""
+    g = torch.Generator().manual_seed(13)
+    w, nw = torch.randn(77, 64, generator=g), torch.randn(64, generator=g)
+    wd = torch.randn(77, 32, generator=g)
+    x, r = torch.randn(9, 64, generator=g), torch.randn(9, 77, generator=g)
+    normed = L.norm_linear(x, nw, 1e-6, w)
+    assert torch.equal(
+        normed, torch.cat([L.norm_linear(x[i : i + 1], nw, 1e-6, w) for i in range(9)])
+    )
+    glu = L.add_linear(r, x, wd, glu=True)
+    assert torch.equal(
+        glu, torch.cat([L.add_linear(r[i : i + 1], x[i : i + 1], wd, glu=True) for i in range(9)])
+    )
 
 
 def _rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

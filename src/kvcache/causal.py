@@ -323,7 +323,7 @@ class CausalCache:
         for observer in self._observers:
             observer(layer, q, fwd)
         s = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-        if not self._kernel_reads(q, v):
+        if not (fwd.kernel_reads and self._kernel_shapes(q, v)):
             keys, values, mask = self.get(layer)
             return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, s)
         keys_l, values_l = self.storage.layouts(layer)
@@ -343,22 +343,25 @@ class CausalCache:
             pre_rope=pre,
             rope=self._kernel_rope(plan.max_pos, int(q.shape[2])) if tables else None,
         )
-        return out.to(q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
-    def _kernel_reads(self, q: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether the C++ kernels serve this attention (else the plain-torch reference)."""
-        d = q.shape[2]
+    def _kernel_reads(self) -> bool:
+        """Whether the C++ kernels may serve this forward's attention (else the plain-torch
+        reference): read once a forward, not once a layer (an environment lookup and these
+        checks took ~15 us a layer call in a decode step)."""
         rotary = self.key_rope == "post" or self.rotary is not None
         return (
             os.environ.get(ATTENTION_ENV, "") != "reference"
             and self.device.type == "cpu"
-            and q.dtype != torch.float64
             and self.dtype != torch.float64
-            and v.shape[2] == d
-            and d % 16 == 0
-            and d <= 256
             and rotary
         )
+
+    @staticmethod
+    def _kernel_shapes(q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the kernels take these queries and values (the rest of the rule)."""
+        d = q.shape[2]
+        return q.dtype != torch.float64 and v.shape[2] == d and d % 16 == 0 and d <= 256
 
     def _kernel_rope(self, max_pos: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin float32 [P, D/2] for positions < P (P > max_pos), grown by doubling."""

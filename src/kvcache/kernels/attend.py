@@ -127,7 +127,7 @@ def attend(
     """Attention output [T, Hq, D] float32 of queries ``q`` [T, Hq, D] (see module doc);
     ``rope``: cos, sin float32 [P, D/2] for positions < P (keys stored before RoPE)."""
     ext = extension()
-    q32 = q.to(torch.float32).contiguous()
+    q32 = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
     if int16_keys(keys.kind, keys.bits) and plan.tiles:
         # the prompt tiles score with the kernel's rounded query (a decode-only call leaves
         # the rounding to the kernel: the same steps, without ~10 torch ops a layer)

@@ -12,6 +12,14 @@ The kernel's outputs do not depend on the rows beside them: a sequence decoded i
 
 ``rms_norm`` is ``F.rms_norm`` over the last dim in one pass a row (``csrc/linear.cpp``):
 torch's is a chain of small ops, ~100 us a call in a SmolLM2 decode step, 61 calls a step.
+
+A decode step's small ops around the products cost more than their arithmetic: between two
+weight passes the caches are cold, and each Python call and torch op took ~10-35 us a layer
+(a SmolLM2 step at 16 tokens spent 13-17 ms of 40-45 outside its C++ calls). So the kernel takes
+the ops next to a product: ``norm_linear`` (RMSNorm, then the product) and ``add_linear``
+(the residual added, and with ``glu`` SwiGLU's silu(gate) * up before the product) are one
+call each, with the bits of the separate calls (norm_linear) or within a float32 rounding of
+torch's silu per hidden value (glu).
 """
 
 from __future__ import annotations
@@ -45,20 +53,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _kernel(x, weight, bias)
 
 
-def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The C++ kernel on inputs ``served`` accepts."""
+def _kernel(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    glu: bool = False,
+) -> torch.Tensor:
+    """The C++ kernel on inputs ``served`` accepts (with ``glu``, x holds 2K per row)."""
     k, n = weight.shape[1], weight.shape[0]
     b = _EMPTY if bias is None else bias.contiguous()
-    y = extension().linear_rows(x.reshape(-1, k).contiguous(), weight, b)
+    r = _EMPTY if residual is None else residual.contiguous()
+    w, eps = (_EMPTY, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
+    rows = x.reshape(-1, 2 * k if glu else k).contiguous()
+    y = extension().linear_rows(rows, weight, b, r, w, eps, glu)
     return y.view(*x.shape[:-1], n)
 
 
-def add_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def add_linear(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False
+) -> torch.Tensor:
     """``residual + x @ weight.T`` for 2-D ``residual`` [T, N] and ``x`` [T, K] (one fused
-    ``addmm`` for prompt-sized inputs)."""
-    if served(x, weight):
-        return residual + _kernel(x, weight, None)
+    ``addmm`` for prompt-sized inputs). ``glu``: x is [T, 2K], SwiGLU's gate and up halves,
+    and the product is of ``silu(x[:, :K]) * x[:, K:]`` (one kernel call a decode step)."""
+    if glu:
+        k = weight.shape[-1]
+        if x.shape[-1] == 2 * k and _served_rows(x[:, :k], weight, residual):
+            return _kernel(x, weight, None, residual=residual, glu=True)
+        x = F.silu(x[:, :k]).mul_(x[:, k:])
+    if _served_rows(x, weight, residual):
+        return _kernel(x, weight, None, residual=residual)
     return torch.addmm(residual, x, weight.t())
+
+
+def norm_linear(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """``linear(rms_norm(x, norm_weight, eps), weight)``: one kernel call for decode-sized
+    float32 inputs (the same bits as the two calls), else the two."""
+    k = x.shape[-1]
+    if served(x, weight) and cpu_float32(norm_weight) and norm_weight.shape == (k,):
+        return _kernel(x, weight, None, norm=(norm_weight, eps))
+    return linear(rms_norm(x, norm_weight, eps), weight)
+
+
+def _served_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T + residual`` runs the kernel (a float32 residual [T, N])."""
+    return (
+        served(x, weight)
+        and cpu_float32(residual)
+        and residual.shape == (x.shape[0], weight.shape[0])
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
-from kvcache.kernels.linear import add_linear, linear, rms_norm
+from kvcache.kernels.linear import add_linear, linear, norm_linear, rms_norm
 from kvcache.kernels.reference import grouped_attention
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
@@ -301,7 +301,7 @@ class Llama:
         """One decoder block through the cache: attention then MLP (``kernels.linear`` for
         decode-sized steps, residuals fused in addmm for prompts)."""
         c = self.config
-        q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, c.rms_eps), cos, sin)
+        q, k, v = self._split_qkv(norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv), cos, sin)
         attention = getattr(cache, "attention", None)
         if attention is None:
             raise NotSupportedError(
@@ -310,15 +310,22 @@ class Llama:
             )
         out = attention(index, q, k, v)  # [T, Hq, D]
         x = add_linear(x, out.reshape(x.shape[0], -1), layer.wo)  # x: [T, E]
-        return add_linear(x, self._swiglu(layer, x), layer.w_down)
+        gate_up = norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
+        return add_linear(x, gate_up, layer.w_down, glu=True)  # + silu(gate) * up @ w_down^T
 
     def _qkv(
         self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``; q and k rotated in one RoPE call."""
+        """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` of the normed rows ``h``."""
+        return self._split_qkv(linear(h, layer.wqkv), cos, sin)
+
+    def _split_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the fused projection ``qkv`` [T, (Hq + 2 Hkv) D]; q and k rotated in
+        one RoPE call."""
         c = self.config
-        t = h.shape[0]
-        qkv = linear(h, layer.wqkv)  # qkv: [T, (Hq + 2 Hkv) D]
+        t = qkv.shape[0]
         n_qk = c.num_heads + c.num_kv_heads
         qk = self.rope.rotate(qkv[:, : n_qk * c.head_dim].view(t, n_qk, c.head_dim), cos, sin)
         v = qkv[:, n_qk * c.head_dim :].view(t, c.num_kv_heads, c.head_dim)

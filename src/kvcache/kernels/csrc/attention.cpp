@@ -404,7 +404,7 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
   }
 }
 
-constexpr int64_t kMaxDim = 256;  // head_dim the kernels take (causal.py, _kernel_reads)
+constexpr int64_t kMaxDim = 256;  // head_dim the kernels take (causal.py, _kernel_shapes)
 
 // out[row] = sum_e exp(m_e - M) acc_e / sum_e exp(m_e - M) l_e over the row's entries; where
 // the value sums have a rotated-domain part (p.accr), it is merged alike and rotated back into
@@ -707,7 +707,8 @@ int64_t parallel_threads(int64_t n) {
 }
 
 // linear.cpp
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                       const at::Tensor& residual, const at::Tensor& norm, double eps, bool glu);
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
 // encode.cpp
 void encode_int8(const at::Tensor& x, const at::Tensor& cells, at::Tensor& codes,
@@ -734,7 +735,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("partials", &kvk::partials, "attention partial sums over plan segments, from the codes");
   m.def("merge", &kvk::merge, "merge each row's partial sums");
   m.def("gather", &kvk::gather, "decoded rows of cells");
-  m.def("linear_rows", &kvk::linear_rows, "x @ w^T (+ bias) for a few rows of x");
+  m.def("linear_rows", &kvk::linear_rows,
+        "f(x) @ w^T (+ bias) (+ residual) for a few rows of x; f: RMSNorm by `norm`, SwiGLU "
+        "(glu), or none",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("residual"), py::arg("norm"),
+        py::arg("eps"), py::arg("glu"));
   m.def("rms_norm_rows", &kvk::rms_norm_rows, "RMSNorm of rows times a weight");
   m.def("rope_rows", &kvk::rope_rows, "RoPE (rotate-half) of rows from cos/sin tables");
   m.def("put_rows", &kvk::put_rows, "rows copied into slots of a float32/float16 buffer");
