@@ -64,6 +64,41 @@ def model(
     return tiny_kernel, KERNEL_ATOL
 
 
+def test_a_decode_step_runs_its_small_ops_inside_the_linear_calls(
+    tiny_kernel: Llama, monkeypatch: pytest.MonkeyPatch
+):
+    """A float32 decode step makes one kernel call a product, with the norms, the residuals
+    and the SwiGLU inside them (2 norms, 2 residuals, 1 glu a layer; the LM head's norm):
+    none of them falls back to a separate call or torch op, and the logits are the no-cache
+    forward's."""
+    import kvcache.kernels.linear as linear_module
+
+    ext = linear_module.extension()
+    calls: list[tuple[bool, bool, bool]] = []
+
+    class Counting:
+        def linear_rows(self, x, w, bias, residual, norm, eps, glu):  # type: ignore[no-untyped-def]
+            calls.append((norm.numel() > 0, residual.numel() > 0, glu))
+            return ext.linear_rows(x, w, bias, residual, norm, eps, glu)
+
+        def rms_norm_rows(self, *args):  # type: ignore[no-untyped-def]
+            raise AssertionError("a norm outside the linear calls")
+
+    ids = tokens(9, seed=21)
+    full = tiny_kernel.forward_full(ids)[-1:]
+    cache = tiny_kernel.new_cache(16)
+    tiny_kernel.forward(ids[:8], Batch.single(0, 0, 8), cache)
+    monkeypatch.setattr(linear_module, "extension", lambda: Counting())
+    step = tiny_kernel.forward(ids[8:], Batch.single(0, 8, 1), cache)
+    layers = tiny_kernel.config.num_layers
+    assert sorted(calls) == sorted(
+        [(True, False, False)] * (2 * layers + 1)  # qkv and gate_up of each layer; LM head
+        + [(False, True, False)] * layers  # wo + residual
+        + [(False, True, True)] * layers  # w_down of silu(gate) * up + residual
+    )
+    assert_close(step, full, KERNEL_ATOL)
+
+
 def test_every_path_equals_full_forward(model: tuple[Llama, float]):
     m, atol = model
     ids = tokens(80, seed=15)

@@ -339,7 +339,7 @@ class Llama:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: logits ``[T, V]``."""
-        return linear(rms_norm(x, self.weights.norm, self.config.rms_eps), self.weights.lm_head)
+        return norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.lm_head)
 
     def _token_ids(
         self, tokens: torch.Tensor | Sequence[int], expected: int | None
