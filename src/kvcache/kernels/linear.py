@@ -15,7 +15,7 @@ torch's is a chain of small ops, ~100 us a call in a SmolLM2 decode step, 61 cal
 
 A decode step's small ops around the products cost more than their arithmetic: between two
 weight passes the caches are cold, and each Python call and torch op took ~10-35 us a layer
-(a SmolLM2 step at 16 tokens spent 13-17 ms of 40-45 outside its C++ calls). So the kernel takes
+(a SmolLM2 step at 16 tokens spent 17 ms of 45 outside its C++ calls). So the kernel takes
 the ops next to a product: ``norm_linear`` (RMSNorm, then the product) and ``add_linear``
 (the residual added, and with ``glu`` SwiGLU's silu(gate) * up before the product) are one
 call each, with the bits of the separate calls (norm_linear) or within a float32 rounding of
