@@ -198,7 +198,7 @@ def test_decode_pressing_forgets_finished_requests(history_model: Llama) -> None
         pass
     press = gen.engine.press
     assert press is not None and gen.stats.pressed_cells > 0
-    assert press._steps == {} and not press.window.has(0)
+    assert press._steps == {} and press._done == set() and not press.window.has(0)
     gen.close()
 
 

@@ -136,13 +136,19 @@ class Pressing:
         self._done.discard(r.id)
         self._steps.pop(r.id, None)
 
-    def finished(self, r: Request) -> None:
-        """``r`` ended, or lost its sequence (preempted): its queries and its decode step
-        count go (its id stays pressed: a spilled request comes back with its pressed
-        cells, and counts its steps from there)."""
+    def preempted(self, r: Request) -> None:
+        """``r`` lost its sequence: its queries and its decode step count go (its id stays
+        pressed: a spilled request comes back with its pressed cells, and counts its steps
+        from there; a recomputed one is pressed again, see ``recompute``)."""
         self.window.ignored.discard(r.seq)
         self.window.forget(r.seq)
         self._steps.pop(r.id, None)
+
+    def finished(self, r: Request) -> None:
+        """``r`` ended: nothing of it stays (a long-running server keeps no per-request
+        state)."""
+        self.preempted(r)
+        self._done.discard(r.id)
 
 
 def fp16_row_bytes(cache: CausalCache) -> int:

@@ -347,7 +347,7 @@ class Engine:
         """The preemption hook: the victim's cells go (or are parked), it queues first."""
         self.reuse.on_preempt(victim)
         if self.press is not None:
-            self.press.finished(victim)
+            self.press.preempted(victim)
         self.preemption.preempt(self.cache, victim)
         if isinstance(victim.parked, Parked):
             self.stats.spills += 1
