@@ -404,7 +404,6 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
   }
 }
 
-constexpr int64_t kMaxDim = 256;  // head_dim the kernels take (causal.py, _kernel_shapes)
 
 // out[row] = sum_e exp(m_e - M) acc_e / sum_e exp(m_e - M) l_e over the row's entries; where
 // the value sums have a rotated-domain part (p.accr), it is merged alike and rotated back into
@@ -563,8 +562,16 @@ std::vector<at::Tensor> partials(const at::Tensor& q, const at::Tensor& cells,
                                  const std::vector<at::Tensor>& v_tensors,
                                  const std::vector<int64_t>& v_ints, int64_t kv_heads,
                                  const at::Tensor& cos, const at::Tensor& sin, double scale) {
-  const Pass p = prepare(q, cells, pos, segs, entries, k_tensors, k_ints, v_tensors, v_ints,
-                         kv_heads, cos, sin, scale);
+  Pass p = prepare(q, cells, pos, segs, entries, k_tensors, k_ints, v_tensors, v_ints, kv_heads,
+                   cos, sin, scale);
+  // turbo keys centred in the rotary frame: the offsets table of their centres' scores, built
+  // once per call (64 KB at most)
+  std::vector<float> offsets;
+  if (p.kr.centre_rope && p.rope.count >= BLK && p.D <= kMaxDim) {
+    offsets.resize(p.D * BLK);
+    rope_offsets(p.rope.cos, p.rope.sin, p.D, offsets.data());
+    p.rope.offsets = offsets.data();
+  }
   std::vector<at::Tensor> t = partial_tensors(p);
   run(p, partials_of(t));
   return t;

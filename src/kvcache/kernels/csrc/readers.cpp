@@ -610,8 +610,68 @@ inline void centre_rope_cells(int D, const float* ab, const TurboRows& t, int j,
   }
 }
 
+// The same for a run of cells at consecutive positions p0, p0 + 1, ... over one record, from
+// the angle sums: cos((p0 + j) t) = cos(p0 t) cos(j t) - sin(p0 t) sin(j t) (and sin alike), so
+// sum_i cos_i(p0 + j) A_i + sin_i(p0 + j) B_i = sum_i cos_i(j) A'_i + sin_i(j) B'_i with
+// A' = A cos(p0) + B sin(p0), B' = B cos(p0) - A sin(p0) once per row and run: the cells' sums
+// are then the lanes of FMAs against the offsets table (Rope::offsets, [D, BLK], in L1), one
+// cell a lane, no horizontal sum, and no cos / sin row of the cells' positions read (those
+// came from L2 or memory, for every head). NC blocks of 8 cells; U partial sums over the
+// channels per accumulator, so that NR * NC * U = 12 FMA chains run in flight.
+template <int NR, int NC>
+inline void centre_offsets_cols(int D, const float* w, const float* offsets, int o, int valid,
+                                float* sc) {
+  constexpr int U = 4 / NC;
+  __m256 acc[NR][NC][U];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c)
+      for (int u = 0; u < U; ++u) acc[r][c][u] = _mm256_setzero_ps();
+  for (int i = 0; i < D; i += U) {
+    for (int u = 0; u < U; ++u) {
+      const float* row = offsets + (int64_t)(i + u) * BLK + o;
+      for (int r = 0; r < NR; ++r) {
+        const __m256 b = _mm256_set1_ps(w[r * kMaxDim + i + u]);
+        for (int c = 0; c < NC; ++c)
+          acc[r][c][u] = _mm256_fmadd_ps(b, _mm256_loadu_ps(row + 8 * c), acc[r][c][u]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) {
+      __m256 v = acc[r][c][0];
+      for (int u = 1; u < U; ++u) v = _mm256_add_ps(v, acc[r][c][u]);
+      float* dst = sc + r * BLK + o + 8 * c;
+      if (valid - 8 * c >= 8) {
+        _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), v));
+      } else {
+        alignas(32) float part[8];
+        _mm256_store_ps(part, v);
+        for (int k = 0; k < valid - 8 * c; ++k) dst[k] += part[k];
+      }
+    }
+}
+
+// cells [j0, j0 + n) (n <= BLK) at consecutive positions over the A | B block ab of NR rows
 template <int NR>
-inline void centre_rope_tile(int D, int row0, const TurboRows& t, int ja, int jb, float* sc) {
+inline void centre_rope_run(int D, const float* ab, const TurboRows& t, int j0, int n, float* sc) {
+  const int half = D / 2;
+  alignas(32) float w[NR * kMaxDim];
+  const float *c0 = t.cs[j0], *s0 = t.sn[j0];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < half; ++i) {
+      const float a = ab[r * D + i], b = ab[r * D + half + i];
+      w[r * kMaxDim + i] = a * c0[i] + b * s0[i];
+      w[r * kMaxDim + half + i] = b * c0[i] - a * s0[i];
+    }
+  float* s = sc + j0;  // cell j0 + o: offset o
+  int o = 0;
+  for (; o + 32 <= n; o += 32) centre_offsets_cols<NR, 4>(D, w, t.offsets, o, n - o, s);
+  for (; o + 16 <= n; o += 16) centre_offsets_cols<NR, 2>(D, w, t.offsets, o, n - o, s);
+  for (; o < n; o += 8) centre_offsets_cols<NR, 1>(D, w, t.offsets, o, n - o, s);
+}
+
+template <int NR>
+inline void centre_rope_cells_of(int D, int row0, const TurboRows& t, int ja, int jb, float* sc) {
   int j = ja;
   for (; j + 4 <= jb; j += 4)
     if (t.ab[j] == t.ab[j + 3])  // one record: one A | B block
@@ -620,6 +680,20 @@ inline void centre_rope_tile(int D, int row0, const TurboRows& t, int ja, int jb
       for (int c = 0; c < 4; ++c)
         centre_rope_cells<NR, 1>(D, t.ab[j + c] + (int64_t)row0 * D, t, j + c, sc);
   for (; j < jb; ++j) centre_rope_cells<NR, 1>(D, t.ab[j] + (int64_t)row0 * D, t, j, sc);
+}
+
+// Runs of 8 cells or more at consecutive positions over one record take centre_rope_run, other
+// cells centre_rope_cells
+template <int NR>
+inline void centre_rope_tile(int D, int row0, const TurboRows& t, int ja, int jb, float* sc) {
+  if (t.offsets == nullptr || D > kMaxDim) return centre_rope_cells_of<NR>(D, row0, t, ja, jb, sc);
+  const int half = D / 2;
+  for (int j = ja, k; j < jb; j = k) {
+    for (k = j + 1; k < jb && t.ab[k] == t.ab[j] && t.cs[k] == t.cs[j] + (int64_t)(k - j) * half;)
+      ++k;
+    if (k - j >= 8) centre_rope_run<NR>(D, t.ab[j] + (int64_t)row0 * D, t, j, k - j, sc);
+    else centre_rope_cells_of<NR>(D, row0, t, j, k, sc);
+  }
 }
 
 // the centre part of the scores of rows [r0, r0 + nr) (nr <= 3), sc their first row's
@@ -887,10 +961,20 @@ void turbo_values(const Reader& r, int64_t h, const int32_t* cells, int a, int b
   }
 }
 
+void rope_offsets(const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < BLK; ++j)
+    for (int64_t i = 0; i < half; ++i) {
+      out[i * BLK + j] = cos[j * half + i];
+      out[(half + i) * BLK + j] = sin[j * half + i];
+    }
+}
+
 void turbo_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
                 int b, const Rope& rope, const float* q, int rows, TurboRows& t) {
   turbo_values(r, h, cells, a, b, t);  // rows, norms, levels
   if (!r.centre_rope) return;
+  t.offsets = rope.offsets;
   const int64_t D = r.D, half = D / 2;
   // the common case first: a run of cells (a sequence's) over one record, its record ids a
   // span compared at once, not cell by cell

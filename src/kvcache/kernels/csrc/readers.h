@@ -34,11 +34,19 @@ enum IntSlot : int { KIND = 0, BITS, GROUP, LOG_SCALE, ROPE_MODE, ROTATED, NUM_I
 // when read); after it, minus a centre (meta_a) that is rotated to each cell's position
 enum RopeMode : int64_t { AFTER_ROPE = 0, BEFORE_ROPE = 1, CENTRE_ROPE = 2 };
 
+constexpr int kMaxDim = 256;  // head_dim the kernels take (causal.py, _kernel_shapes)
+
 struct Rope {
   const float* cos = nullptr;  // [P, D/2]
   const float* sin = nullptr;  // [P, D/2]
   int64_t count = 0;
+  // [D, BLK]: the rows of positions 0 .. BLK-1 transposed, cos(j theta_i) at [i, j] and
+  // sin(j theta_i) at [D/2 + i, j] (rope_offsets; nullptr: none built)
+  const float* offsets = nullptr;
 };
+
+// Rope::offsets of tables cos / sin [count, D/2] (count >= BLK) into out [D * BLK]
+void rope_offsets(const float* cos, const float* sin, int64_t D, float* out);
 
 struct Reader {
   int64_t kind = F32;
@@ -122,6 +130,7 @@ struct TurboRows {
   float s[BLK];                 // their norms
   const float* ab[BLK];         // [rows, D] A | B of each query row for the cell's record
   const float *cs[BLK], *sn[BLK];  // the cos and sin rows [D/2] of the cell's position
+  const float* offsets = nullptr;  // Rope::offsets (CENTRE_ROPE; nullptr: none)
   float table[256];             // the codebook levels, zero-padded to 32 at least
   std::vector<float> abs;       // the records' A | B blocks
   // the levels as int16 steps of lstep (up to 32 levels): low bytes of levels 0-15, 16-31,
