@@ -404,7 +404,6 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
   }
 }
 
-
 // out[row] = sum_e exp(m_e - M) acc_e / sum_e exp(m_e - M) l_e over the row's entries; where
 // the value sums have a rotated-domain part (p.accr), it is merged alike and rotated back into
 // out by `rotation` [Hkv, Dv, Dv] (out += rotation[hq / G] @ merged accr)
