@@ -82,10 +82,16 @@ def add_linear(
         k = weight.shape[-1]
         if x.shape[-1] == 2 * k and _served_rows(x[:, :k], weight, residual):
             return _kernel(x, weight, None, residual=residual, glu=True)
-        x = F.silu(x[:, :k]).mul_(x[:, k:])
+        x = swiglu(x)
     if _served_rows(x, weight, residual):
         return _kernel(x, weight, None, residual=residual)
     return torch.addmm(residual, x, weight.t())
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's hidden rows ``silu(gate) * up`` of ``gate_up`` [..., 2F] = [gate | up]."""
+    f = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :f]).mul_(gate_up[..., f:])
 
 
 def norm_linear(

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
-from kvcache.kernels.linear import add_linear, linear, norm_linear, rms_norm
+from kvcache.kernels.linear import add_linear, linear, norm_linear, rms_norm, swiglu
 from kvcache.kernels.reference import grouped_attention
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
@@ -334,8 +334,7 @@ class Llama:
     def _swiglu(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         """The MLP's hidden activation ``[T, F]`` of the normed residual (before w_down)."""
         c = self.config
-        gate_up = linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up)  # [T, 2F]
-        return F.silu(gate_up[:, : c.intermediate_size]).mul_(gate_up[:, c.intermediate_size :])
+        return swiglu(linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: logits ``[T, V]``."""
