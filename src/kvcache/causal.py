@@ -59,6 +59,7 @@ from kvcache.errors import (
 )
 from kvcache.footprint import held_bytes
 from kvcache.forward import ForwardPlan
+from kvcache.kernels import build
 from kvcache.kernels.attend import attend
 from kvcache.kernels.reference import grouped_attention
 from kvcache.policy import Policy
@@ -125,6 +126,10 @@ class CausalCache:
         self.model_id: ModelId = ""  # which model's K/V this holds (snapshots check it)
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cpu" and dtype != torch.float64:
+            # the kernels serve this cache's puts and attention: built (once per machine and
+            # sources) or loaded now, not inside the first forward, which callers time
+            build.extension()
         self.policy = Policy(window=self.window, chunk=self.chunk, memory=self.memory)
         if self.memory is None:
             n = self.max_sequences * self.capacity

@@ -7,8 +7,9 @@ CPU has them, plain loops otherwise) into ``$KVCACHE_KERNEL_DIR`` (default
 the torch version and the CPU (``-march=native`` code built on one CPU may use instructions
 another lacks: a home folder shared by two machines must not hand one the other's build), so a
 changed source, another checkout, another torch or another CPU builds anew.
-``scripts/setup.sh`` builds it (``python -m kvcache.kernels``); otherwise the first attention
-call does (about a minute), never a timed step after that.
+``scripts/setup.sh`` builds it (``python -m kvcache.kernels``, on every setup: a no-op when
+built); otherwise a cache made for the CPU does (``CausalCache``: a few minutes, said on
+stderr), before the first forward, so that no timed step (a prefill's tokens/s) includes it.
 It runs on torch's intra-op thread pool (``at::parallel_for``): ``torch.set_num_threads``
 sets its threads too. That needs ``-fopenmp`` (compile and link): ATen's ``parallel_for`` is a
 header whose ``omp parallel`` pragma a build without it ignores, running every item on one
@@ -95,6 +96,13 @@ def extension() -> ModuleType:
 
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
+    if not (where / f"{where.name}.so").exists():  # minutes of silence otherwise
+        print(
+            f"kvcache: compiling the C++ kernels for this CPU into {where} "
+            "(once for these sources; a few minutes)",
+            file=sys.stderr,
+            flush=True,
+        )
     # torch runs `ninja` from PATH: the pip-installed one sits beside this interpreter
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
