@@ -125,6 +125,19 @@ def test_cells_almost_in_a_run_equal_the_reference(codec: str):
     assert rec.worst < REL, f"{codec}: relative error {rec.worst:.2e}"
 
 
+@pytest.mark.parametrize("codec", ["kivi4", "kivi2", "int4", "turbo4"])
+def test_a_window_from_an_odd_position_equals_the_reference(codec: str):
+    """The kernels score cells in blocks (pairs, fours) from a row's first visible cell: a
+    window that starts at an odd position puts blocks across two KIVI records (64 positions
+    each, ranges loaded once where a block shares one) and across the sequence's tiles."""
+    rec = Recorder(CausalCache(1024, max_sequences=1, shift=ROPE, codec=codec, window=500))
+    rec.forward(list(range(300)), [0] * 300)
+    rec.forward(list(range(300, 600)), [0] * 300)
+    for step in range(2):  # first visible positions 101, then 102
+        rec.forward([600 + step], [0])
+    assert rec.worst < REL, f"{codec}: relative error {rec.worst:.2e}"
+
+
 @pytest.mark.parametrize("codec", ["turbo4", "turbo3"])
 def test_turbo_keys_centred_without_a_rotary_frame_equal_the_reference(codec: str):
     """Without a shift turbo keys are stored after RoPE with a centre as it is: the kernel

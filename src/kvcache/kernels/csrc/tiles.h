@@ -343,19 +343,29 @@ struct KiviKeys {
 // A KIVI key row's channels [i, i + W) (*r1) and [i + D/2, ...) (*r2): codes times the channel
 // scales a plus the minimums b, rotated by the cos / sin rows (the decoder's one pass in
 // readers.cpp and the fused scores below)
+// (a1, b1: the scales and minimums of channels [i, i + W), a2, b2: of [i + D/2, ...))
 template <typename V>
-inline void kivi_rotated(const uint8_t* row, const float* a, const float* b, const float* cs,
-                         const float* sn, int64_t i, int64_t half, typename V::V* r1,
-                         typename V::V* r2) {
-  const auto x1 = V::fma(V::nibbles(row, i), V::load(a + i), V::load(b + i));
-  const auto x2 = V::fma(V::nibbles(row, half + i), V::load(a + half + i), V::load(b + half + i));
+inline void kivi_rotated(const uint8_t* row, typename V::V a1, typename V::V b1, typename V::V a2,
+                         typename V::V b2, const float* cs, const float* sn, int64_t i,
+                         int64_t half, typename V::V* r1, typename V::V* r2) {
+  const auto x1 = V::fma(V::nibbles(row, i), a1, b1);
+  const auto x2 = V::fma(V::nibbles(row, half + i), a2, b2);
   const auto cv = V::load(cs + i), sv = V::load(sn + i);
   *r1 = V::fnma(x2, sv, V::mul(x1, cv));
   *r2 = V::fma(x1, sv, V::mul(x2, cv));
 }
 
+template <typename V>
+inline void kivi_rotated(const uint8_t* row, const float* a, const float* b, const float* cs,
+                         const float* sn, int64_t i, int64_t half, typename V::V* r1,
+                         typename V::V* r2) {
+  kivi_rotated<V>(row, V::load(a + i), V::load(b + i), V::load(a + half + i),
+                  V::load(b + half + i), cs, sn, i, half, r1, r2);
+}
+
 // Scores of NR <= 3 rows against NC (kCells or 1) cells from j, W channels of each half a step
-template <typename V, int NR, int NC>
+// (SHARED: the cells share one record, whose ranges are loaded once a step)
+template <typename V, int NR, int NC, bool SHARED = false>
 inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float* sc,
                           LineStream* ls) {
   const int half = D / 2;
@@ -365,10 +375,19 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
   for (int i = 0; i < half; i += V::W) {
     if (ls != nullptr)  // a step per 8 channels, as many per cell at either width (the
       for (int s = 0; s < V::W / 8; ++s) ls->step();  // loop is short of registers for Steps)
+    typename V::V a1{}, b1{}, a2{}, b2{};
+    if constexpr (SHARED) {
+      a1 = V::load(t.a[j] + i), b1 = V::load(t.b[j] + i);
+      a2 = V::load(t.a[j] + half + i), b2 = V::load(t.b[j] + half + i);
+    }
     for (int c = 0; c < NC; ++c) {
       typename V::V r1, r2;
-      kivi_rotated<V>(t.rows[j + c], t.a[j + c], t.b[j + c], t.cs[j + c], t.sn[j + c], i, half,
-                      &r1, &r2);
+      if constexpr (SHARED)
+        kivi_rotated<V>(t.rows[j + c], a1, b1, a2, b2, t.cs[j + c], t.sn[j + c], i, half, &r1,
+                        &r2);
+      else
+        kivi_rotated<V>(t.rows[j + c], t.a[j + c], t.b[j + c], t.cs[j + c], t.sn[j + c], i,
+                        half, &r1, &r2);
       for (int r = 0; r < NR; ++r) {
         acc[r][c] = V::fma(V::load(q + r * D + i), r1, acc[r][c]);
         acc[r][c] = V::fma(V::load(q + r * D + half + i), r2, acc[r][c]);
@@ -387,6 +406,14 @@ inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, in
     const int nr = rows - r < 3 ? rows - r : 3;
     int j = ja;
     for (; j + kCells <= jb; j += kCells) {
+      // one record: its ranges loaded once a step (records change once in 64 positions;
+      // kivi4_keys hands each new one the next range, so equal ends mean one throughout)
+      if (t.a[j] == t.a[j + kCells - 1]) {
+        if (nr == 1) qk_kivi_cells<V, 1, kCells, true>(qr, t, j, D, s, ls);
+        else if (nr == 2) qk_kivi_cells<V, 2, kCells, true>(qr, t, j, D, s, ls);
+        else qk_kivi_cells<V, 3, kCells, true>(qr, t, j, D, s, ls);
+        continue;
+      }
       if (nr == 1) qk_kivi_cells<V, 1, kCells>(qr, t, j, D, s, ls);
       else if (nr == 2) qk_kivi_cells<V, 2, kCells>(qr, t, j, D, s, ls);
       else qk_kivi_cells<V, 3, kCells>(qr, t, j, D, s, ls);
