@@ -15,9 +15,13 @@ One run measures side by side (bundled SmolLM2-135M, fp32 weights, greedy, EOS i
 4. attention: ``CausalCache.attention`` alone, one decode row over an 8k history (SmolLM2's
    shapes and RoPE, random K/V), per codec: stored bytes (``memory_usage_bytes()`` per layer,
    fp16 windows included) read per second, as a fraction of the bandwidth measured in the
-   same worker. The calls go round SmolLM2's 30 layers, so each finds its K/V in memory and
-   not in the CPU cache (one fp32 layer at 8k is 12.6 MB), as in a decode step.
-   Goal: fp32 >= 70 %.
+   same worker (``of_bandwidth``: the best of the sums over 400 MB around the codecs' calls).
+   The calls go round SmolLM2's 30 layers, so each finds its K/V in memory and not in the CPU
+   cache (one fp32 layer at 8k is 12.6 MB), as in a decode step. Goal: fp32 >= 70 % of "a
+   plain sum over the same bytes" (the issue's words): after each timed step of the 30 calls,
+   torch sums the very K/V rows they read (views of the storage) and ``of_same_bytes`` is the
+   median over the steps of (rows the calls read per second) / (rows the sums read per
+   second), each step paired with its own sums as the decode ratios are.
 5. transformers ``generate`` with DynamicCache / StaticCache vs ours fp32, one sequence, the
    16-token and the first grid prompt (``same``: greedy tokens in common).
 
@@ -212,17 +216,30 @@ def attention_op(codec: str, args: argparse.Namespace) -> dict[str, float]:
         cache.put(layer, torch.randn(n, kv, d, generator=g), torch.randn(n, kv, d, generator=g))
     q = torch.randn(1, cfg.num_heads, d, generator=g)  # q: [1, Hq, D]
     k, v = torch.randn(2, 1, kv, d, generator=g)  # k, v: [1, Hkv, D]
-    times = []
+    # fp32: the stored K/V rows themselves (views), summed after each step's calls
+    same = [cache.read(layer, slice(0, n)) for layer in range(layers)] if name == "fp32" else []
+    times, shares = [], []
     for i in range(args.warm + args.steps):
         cache.start_forward(Batch.single(0, n + i, 1))
+        step = 0.0
         for layer in range(layers):
             start = time.perf_counter()
             cache.attention(layer, q, k, v)
             times.append(time.perf_counter() - start)
+            step += times[-1]
+        if same and i >= args.warm:
+            start = time.perf_counter()
+            for keys, values in same:
+                keys.sum(), values.sum()
+            summed = time.perf_counter() - start
+            shares.append((n + i + 1) / step / (n / summed))  # rows read per second, op / sum
     stored = cache.memory_usage_bytes() / layers
     cache.close()
     seconds = statistics.median(times[args.warm * layers :])
-    return {"bytes_per_layer": stored, "call_us": seconds * 1e6, "gb_s": stored / seconds / 1e9}
+    out = {"bytes_per_layer": stored, "call_us": seconds * 1e6, "gb_s": stored / seconds / 1e9}
+    if shares:
+        out["of_same_bytes"] = statistics.median(shares)
+    return out
 
 
 # ---- workers (a subprocess each) -----------------------------------------------------
@@ -457,9 +474,9 @@ def goals(args: argparse.Namespace, runs: Runs, floor: dict, attn: list[dict]) -
         rows.append(goal_row(f"1x{long} {codec} / fp32", value, goal))
     figure = f"1x{long} fp32 / floor {floor['floor_tok_s']:.1f} tok/s"
     rows.append(goal_row(figure, floor["fraction"], FLOOR_GOAL))
-    fp32 = [r["of_bandwidth"] for r in attn if r["codec"] == "fp32"]
-    figure = f"attention fp32 at {args.history} / bandwidth"
-    rows.append(goal_row(figure, fp32[0] if fp32 else None, ATTENTION_GOAL))
+    fp32 = [r for r in attn if r["codec"] == "fp32"]
+    figure = f"attention fp32 at {args.history} / a sum over the same bytes"
+    rows.append(goal_row(figure, fp32[0]["of_same_bytes"] if fp32 else None, ATTENTION_GOAL))
     return rows
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import pytest
 
@@ -62,3 +63,23 @@ def test_contenders_take_turns_one_step_each_in_a_rotating_order(
     for _ in gen.run():
         pass
     assert rows[0]["tokens"] == gen.results[first].tokens
+
+
+def test_the_attention_goal_is_the_op_against_a_sum_over_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = argparse.Namespace(history=96, warm=1, steps=3)
+    assert "of_same_bytes" not in bench.attention_op("int8", args)  # fp32 rows only
+    # a clock that moves 1 ms a reading: each layer's call and each step's sums take 1 ms, so
+    # step i's 30 calls read its 96 + i + 1 rows in 30 ms and the sums 96 rows in 1 ms
+    ticks = itertools.count()
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks) * 1e-3)
+    share = bench.attention_op("fp32", args)["of_same_bytes"]
+    assert share == pytest.approx((96 + 2 + 1) / 30 / 96)  # the median of steps 1, 2, 3
+    goal = bench.goals(
+        argparse.Namespace(contexts=[64], batches=[1], long=64, history=96),
+        {},
+        {"floor_tok_s": 1.0, "fraction": 0.5},
+        [{"codec": "fp32", "of_bandwidth": 0.9, "of_same_bytes": 0.6}],
+    )[-1]
+    assert goal["figure"].endswith("a sum over the same bytes") and goal["value"] == 0.6
