@@ -4,7 +4,7 @@ with the cache capped at 1/4 of the history?
 The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, one 2048-token window
 of the Debian license texts: a 1024-token prompt, then 1024 tokens scored one decode step at a
 time; every ``--every`` steps the cache goes back to CAP of the tokens seen), against the
-unpressed cache. Nine ways to choose what stays, each at every ``--caps`` value:
+unpressed cache. Eleven ways to choose what stays, each at every ``--caps`` value:
 
     snapkv    the library's press (``make_press("snapkv")``): one decision per cell, for all
               layers and heads, from the newest 64 queries
@@ -32,6 +32,14 @@ unpressed cache. Nine ways to choose what stays, each at every ``--caps`` value:
     cellout   futureout's costs, one decision per cell (what a cell cache can free): each
               cell's costs summed over layers and KV heads as they are (every head's output
               moves in the same residual stream), the newest 64 cells kept
+    cellsnap  one decision per cell by the per-head SnapKV scores of ``perhead``, turned
+              into cells as the library's presses do (min-max per layer and head over the
+              cells still held, the mean): snapkv in this simulation
+    cellmerge cellsnap's choice, each evicted cell merged, per (layer, KV head), into the
+              kept cell whose key before RoPE is most alike (cosine >= MERGE_COSINE; D2O and
+              CaM merge evicted tokens so): keys averaged before RoPE and rotated back to the
+              kept cell's position, values averaged, each weighted by the tokens it holds,
+              and a cell holding m tokens adds log m to its scores (what m alike keys get)
 
 The oracles that see ``--every`` queries ahead do no better than snapkv; those that see the
 whole future (``futureattn``, ``futureout``) come within the goal's reach: what a quarter of
@@ -66,7 +74,8 @@ from common import RESULTS, license_tokens, table, write_json  # noqa: E402
 from kvcache import Batch, CausalCache  # noqa: E402
 from kvcache.forward import ForwardPlan  # noqa: E402
 from kvcache.models.llama import Llama  # noqa: E402
-from kvcache.press.base import Press, Scoring, newest_first, top_cells  # noqa: E402
+from kvcache.models.rope import Rope  # noqa: E402
+from kvcache.press.base import Press, Scoring, aggregate, newest_first, top_cells  # noqa: E402
 from kvcache.press.snapkv import KERNEL, WINDOW  # noqa: E402
 from kvcache.press.snapout import moved, out_factor  # noqa: E402
 
@@ -80,8 +89,11 @@ MODES = (
     "futureattn",
     "futureout",
     "cellout",
+    "cellsnap",
+    "cellmerge",
 )
 FUTURE = ("futureattn", "futureout")
+MERGE_COSINE = 0.9  # cellmerge: keys less alike than this are not merged
 Queries = dict[int, tuple[torch.Tensor, np.ndarray]]  # layer -> q [N, Hq, D], positions [N]
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> k, v [N, Hkv, D] by position
 
@@ -365,6 +377,70 @@ class CellFuture(PerHeadFuture):
         self.valid[:, :, :n] &= kept
 
 
+class CellMerge(PerHead):
+    """``cellsnap`` (``merge=False``) and ``cellmerge``: one decision per cell by SnapKV's
+    per-head scores; with ``merge``, the evicted cells' K/V merged into alike kept cells."""
+
+    def __init__(
+        self, cache: CausalCache, layers: int, heads: int, cells: int, rope: Rope, merge: bool
+    ) -> None:
+        super().__init__(cache, layers, heads, cells)
+        self.rope, self.merge = rope, merge
+        self.tokens = torch.ones(layers, heads, cells)  # tokens each cell holds, per head
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=None
+    ) -> torch.Tensor:
+        keys, values, mask = self.cache.update(layer, k, v)  # [n, Hkv, D] x2, [T, n]
+        (t, hq, d), (n, hkv, _) = q.shape, keys.shape
+        seen = mask[:, None, :] & self.valid[layer][None, :, :n]  # [T, Hkv, n]
+        qg = q.view(t, hkv, hq // hkv, d).to(keys.dtype)
+        logits = torch.einsum("thgd,nhd->thgn", qg, keys) * (scale or d**-0.5)
+        logits = logits + self.tokens[layer, :, :n].log()[None, :, None, :]
+        p = torch.softmax(logits.masked_fill(~seen[:, :, None, :], float("-inf")), dim=-1)
+        self.observed(layer, q, p, seen, values)
+        return torch.einsum("thgn,nhd->thgd", p, values).reshape(t, hq, -1).to(q.dtype)
+
+    def press(self, n: int, keep: int) -> None:
+        assert np.array_equal(self.cache.cells_of(0), np.arange(n)), "cells are not positions"
+        held = self.valid[0, 0, :n].nonzero()[:, 0]  # one decision per cell: any head's
+        s = torch.stack([self.scores(layer, n) for layer in range(self.valid.shape[0])])
+        window = torch.isinf(s[:, :, held]).all(dim=0).all(dim=0)  # the observation window
+        score = newest_first(aggregate(s[:, :, held].masked_fill(window, 0.0)))
+        score[window.numpy()] = np.inf  # kept, as the press keeps its window's cells
+        kept = torch.zeros(n, dtype=torch.bool)
+        kept[held[torch.from_numpy(top_cells(score, keep))]] = True
+        gone = self.valid[0, 0, :n] & ~kept
+        if self.merge and bool(gone.any()):
+            for layer in range(self.valid.shape[0]):
+                self.merge_into(layer, n, gone.nonzero()[:, 0], kept.nonzero()[:, 0])
+        self.valid[:, :, :n] &= kept
+
+    def merge_into(self, layer: int, n: int, gone: torch.Tensor, kept: torch.Tensor) -> None:
+        """Each head's rows of ``gone`` cells averaged into its most alike ``kept`` cell."""
+        keys, values = self.cache.read(layer, slice(0, n))  # views of the fp32 storage
+        pos = torch.arange(n)
+        pre = self.rope.rotate(keys, *self.rope.tables(-pos, keys.dtype))  # before RoPE
+        unit = pre / pre.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        cosine, into = torch.einsum("ehd,khd->hek", unit[gone], unit[kept]).max(dim=-1)
+        for h in range(keys.shape[1]):
+            alike = cosine[h] >= MERGE_COSINE
+            src, dst = gone[alike], kept[into[h][alike]]
+            if len(src) == 0:
+                continue
+            w = self.tokens[layer, h, :n]
+            total = w.clone().index_add_(0, dst, w[src])
+            for rows, rotate in ((pre[:, h], True), (values[:, h], False)):
+                summed = (rows * w[:, None]).index_add_(0, dst, rows[src] * w[src][:, None])
+                mean = summed[dst] / total[dst][:, None]
+                if rotate:  # back to the kept cell's position
+                    mean = self.rope.rotate(mean[:, None], *self.rope.tables(dst, mean.dtype))[:, 0]
+                    keys[dst, h] = mean
+                else:
+                    values[dst, h] = mean
+            self.tokens[layer, h, :n] = total
+
+
 def press_times(prefill: int, total: int, every: int) -> list[int]:
     """The newest position at each press of ``decode_logprobs``' steps (after token i is in,
     i = prefill, prefill + every, ...)."""
@@ -440,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         if "cellout" in args.modes:
             sims["cellout"] = lambda *a: CellFuture(*a, costs["futureout"], nows)
+        sims["cellsnap"] = lambda *a: CellMerge(*a, model.rope, merge=False)
+        sims["cellmerge"] = lambda *a: CellMerge(*a, model.rope, merge=True)
         for cap in args.caps:
             for mode in tqdm(args.modes, desc=f"cap {cap:g}", unit="mode"):
                 union = None

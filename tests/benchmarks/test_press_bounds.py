@@ -233,3 +233,59 @@ def test_the_cell_oracle_keeps_the_cells_costliest_over_every_head(history_model
         assert torch.equal(valid, want.expand_as(valid))  # one decision, every layer and head
         gone = ~want if gone is None else gone
     assert not seen[1][:, :, : nows[0] + 1][:, :, gone].any()  # none of the first press's gone
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_merged_rows_are_the_token_weighted_means_of_the_most_alike_rows(
+    history_model: Llama, merge: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pb, "MERGE_COSINE", -1.0)  # every evicted row merges somewhere
+    c, rope = history_model.config, history_model.rope
+    cache = kq.make_cache(history_model, "fp32", len(TOKENS))
+    sim = pb.CellMerge(cache, c.num_layers, c.num_kv_heads, len(TOKENS), rope, merge=merge)
+    pb.decode_logprobs(history_model, cache, TOKENS[: PREFILL + 2], PREFILL, lambda i: None)
+    n, keep = PREFILL + 1, 70
+    before = [
+        tuple(x.clone().double() for x in cache.read(layer, slice(0, n)))
+        for layer in range(c.num_layers)
+    ]
+    sim.press(n, keep)
+    kept = sim.valid[0, 0, :n]
+    assert int(kept.sum()) == keep and kept[n - pb.WINDOW :].all()
+    assert (sim.valid[:, :, :n] == kept).all()  # one decision, every layer and head
+    pos = torch.arange(n)
+    for layer in range(c.num_layers):
+        k0, v0 = before[layer]
+        pre = rope.rotate(k0, *rope.tables(-pos, k0.dtype))
+        k1, v1 = (x.double() for x in cache.read(layer, slice(0, n)))
+        for h in range(c.num_kv_heads):
+            want_k, want_v, tokens = pre[:, h].clone(), v0[:, h].clone(), torch.ones(n)
+            if merge:
+                into: dict[int, list[int]] = {}
+                for e in (~kept).nonzero()[:, 0].tolist():
+                    cos = torch.nn.functional.cosine_similarity(
+                        pre[kept, h], pre[e, h][None], dim=-1
+                    )
+                    into.setdefault(int(kept.nonzero()[cos.argmax(), 0]), []).append(e)
+                for dst, src in into.items():
+                    rows = [dst, *src]
+                    want_k[dst], want_v[dst] = pre[rows, h].mean(0), v0[rows, h].mean(0)
+                    tokens[dst] = len(rows)
+            want_k = rope.rotate(want_k[:, None], *rope.tables(pos, k0.dtype))[:, 0]
+            assert torch.allclose(k1[kept, h], want_k[kept], atol=1e-5)
+            assert torch.allclose(v1[kept, h], want_v[kept], atol=1e-5)
+            assert torch.equal(sim.tokens[layer, h, :n][kept], tokens[kept].float())
+    # a next step's attention: each kept row's score plus the log of the tokens it holds
+    from kvcache import Batch
+
+    cache.start_forward(Batch.single(0, n, 1))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, c.num_heads, c.head_dim, generator=g)
+    k, v = torch.randn(2, 1, c.num_kv_heads, c.head_dim, generator=g)
+    out = sim.attention(0, q, k, v)
+    keys, values = (x.double() for x in cache.get(0)[:2])
+    seen = torch.cat([kept, torch.tensor([True])])
+    bias = torch.cat([sim.tokens[0, 0, :n], torch.ones(1)]).double().log()[seen]
+    w = torch.softmax(keys[seen, 0] @ q[0, 0].double() / c.head_dim**0.5 + bias, dim=0)
+    assert torch.allclose(out[0, 0].double(), w @ values[seen, 0], atol=1e-5)
+    assert bool((sim.tokens[0, 0] > 1).any()) == merge
