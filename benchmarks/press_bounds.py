@@ -189,9 +189,14 @@ class PerHead:
         seen = mask[:, None, :] & self.valid[layer][None, :, :n]  # [T, Hkv, n]
         qg = q.view(t, hkv, hq // hkv, d).to(keys.dtype)
         logits = torch.einsum("thgd,nhd->thgn", qg, keys) * (scale or d**-0.5)
+        logits = logits + self.bias(layer, n)[None, :, None, :]
         p = torch.softmax(logits.masked_fill(~seen[:, :, None, :], float("-inf")), dim=-1)
         self.observed(layer, q, p, seen, values)
         return torch.einsum("thgn,nhd->thgd", p, values).reshape(t, hq, -1).to(q.dtype)
+
+    def bias(self, layer: int, n: int) -> torch.Tensor:
+        """What each head adds to its scores of the first ``n`` cells [Hkv, n]: nothing."""
+        return torch.zeros(self.valid.shape[1], n)
 
     def observed(
         self, layer: int, q: torch.Tensor, p: torch.Tensor, seen: torch.Tensor, v: torch.Tensor
@@ -388,18 +393,9 @@ class CellMerge(PerHead):
         self.rope, self.merge = rope, merge
         self.tokens = torch.ones(layers, heads, cells)  # tokens each cell holds, per head
 
-    def attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=None
-    ) -> torch.Tensor:
-        keys, values, mask = self.cache.update(layer, k, v)  # [n, Hkv, D] x2, [T, n]
-        (t, hq, d), (n, hkv, _) = q.shape, keys.shape
-        seen = mask[:, None, :] & self.valid[layer][None, :, :n]  # [T, Hkv, n]
-        qg = q.view(t, hkv, hq // hkv, d).to(keys.dtype)
-        logits = torch.einsum("thgd,nhd->thgn", qg, keys) * (scale or d**-0.5)
-        logits = logits + self.tokens[layer, :, :n].log()[None, :, None, :]
-        p = torch.softmax(logits.masked_fill(~seen[:, :, None, :], float("-inf")), dim=-1)
-        self.observed(layer, q, p, seen, values)
-        return torch.einsum("thgn,nhd->thgd", p, values).reshape(t, hq, -1).to(q.dtype)
+    def bias(self, layer: int, n: int) -> torch.Tensor:
+        """A cell holding m tokens adds log m to each head's scores."""
+        return self.tokens[layer, :, :n].log()
 
     def press(self, n: int, keep: int) -> None:
         assert np.array_equal(self.cache.cells_of(0), np.arange(n)), "cells are not positions"
