@@ -397,6 +397,15 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
   for (int r = 0; r < NR; ++r) store_sums<V, NC>(acc[r], sc + r * BLK + j);
 }
 
+// qk_kivi_cells for nr (1 to 3) rows
+template <typename V, int NC, bool SHARED = false>
+inline void qk_kivi_nr(int nr, const float* q, const KiviKeys& t, int j, int D, float* sc,
+                       LineStream* ls) {
+  if (nr == 1) qk_kivi_cells<V, 1, NC, SHARED>(q, t, j, D, sc, ls);
+  else if (nr == 2) qk_kivi_cells<V, 2, NC, SHARED>(q, t, j, D, sc, ls);
+  else qk_kivi_cells<V, 3, NC, SHARED>(q, t, j, D, sc, ls);
+}
+
 template <typename V>
 inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
                          float* sc, LineStream* ls) {
@@ -408,21 +417,10 @@ inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, in
     for (; j + kCells <= jb; j += kCells) {
       // one record: its ranges loaded once a step (records change once in 64 positions;
       // kivi4_keys hands each new one the next range, so equal ends mean one throughout)
-      if (t.a[j] == t.a[j + kCells - 1]) {
-        if (nr == 1) qk_kivi_cells<V, 1, kCells, true>(qr, t, j, D, s, ls);
-        else if (nr == 2) qk_kivi_cells<V, 2, kCells, true>(qr, t, j, D, s, ls);
-        else qk_kivi_cells<V, 3, kCells, true>(qr, t, j, D, s, ls);
-        continue;
-      }
-      if (nr == 1) qk_kivi_cells<V, 1, kCells>(qr, t, j, D, s, ls);
-      else if (nr == 2) qk_kivi_cells<V, 2, kCells>(qr, t, j, D, s, ls);
-      else qk_kivi_cells<V, 3, kCells>(qr, t, j, D, s, ls);
+      if (t.a[j] == t.a[j + kCells - 1]) qk_kivi_nr<V, kCells, true>(nr, qr, t, j, D, s, ls);
+      else qk_kivi_nr<V, kCells>(nr, qr, t, j, D, s, ls);
     }
-    for (; j < jb; ++j) {
-      if (nr == 1) qk_kivi_cells<V, 1, 1>(qr, t, j, D, s, ls);
-      else if (nr == 2) qk_kivi_cells<V, 2, 1>(qr, t, j, D, s, ls);
-      else qk_kivi_cells<V, 3, 1>(qr, t, j, D, s, ls);
-    }
+    for (; j < jb; ++j) qk_kivi_nr<V, 1>(nr, qr, t, j, D, s, ls);
   }
 }
 
