@@ -17,6 +17,7 @@ import torch
 from kvcache import Batch, CausalCache
 from kvcache.codecs import CODECS, make_codec
 from kvcache.codecs.pack import unpack, unpack4
+from kvcache.codecs.window import SHRINK_AFTER
 from kvcache.errors import InvalidConfigError
 from kvcache.models.rope import Rope
 from reference.codec_bounds import FP16, group_step
@@ -193,6 +194,40 @@ def test_bytes_count_every_tensor_and_codes_only_where_rows_are_sealed(spec):
             assert windows.slots <= buf.residual.shape[0] < windows.slots + 16
     maps = sum(w.slot_of.nbytes + w.meta_of.nbytes for w in cache.storage.windows.values())
     assert cache.memory_usage_bytes() == total + maps
+
+
+def test_the_window_keeps_its_rows_while_sequences_decode_together():
+    """Sequences decoding together seal their waiting rows at the same step (int8: 32 of a
+    sequence at once), so the window empties and fills again every 32 steps. It keeps its
+    rows through those lows (shrinking at each and growing back reallocated it most steps),
+    and shrinks to the rows in use once under half of it has been used for SHRINK_AFTER
+    stores in a row."""
+    seqs, prompt = 4, 64
+    cache = CausalCache(4096, max_sequences=seqs, codec="int8")
+    g = torch.Generator().manual_seed(0)
+    for s in range(seqs):
+        cache.start_forward(Batch.single(s, 0, prompt))
+        cache.put(0, *torch.randn(2, prompt, H, D, generator=g))
+    buf = buffer(cache, "key")
+    window, reallocated, peak = buf.residual, 0, 0
+    for step in range(96):  # three seal batches
+        cache.start_forward(Batch([prompt + step] * seqs, list(range(seqs))))
+        cache.put(0, *torch.randn(2, seqs, H, D, generator=g))
+        assert buf.windows.slots <= buf.residual.shape[0]
+        peak = max(peak, buf.windows.slots)
+        if step >= 32:  # grown in the first batch
+            reallocated += buf.residual is not window
+        window = buf.residual
+    assert peak == 31 * seqs  # 31 rows of each sequence wait before 32 are sealed
+    assert reallocated == 0 and buf.residual.shape[0] >= peak
+    for s in range(1, seqs):
+        cache.remove(s, 0)
+    pos = prompt + 96
+    for step in range(SHRINK_AFTER + 1):  # sequence 0 alone: at most 31 of 124 rows in use
+        assert step > 32 or buf.residual.shape[0] >= peak  # a batch later: not shrunk yet
+        cache.start_forward(Batch.single(0, pos + step, 1))
+        cache.put(0, *torch.randn(2, 1, H, D, generator=g))
+    assert buf.windows.slots <= buf.residual.shape[0] < peak // 2
 
 
 @pytest.mark.parametrize("spec", ["int4", "kivi4", "turbo4", "turbo3"])
