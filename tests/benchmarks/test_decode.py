@@ -34,6 +34,21 @@ def test_paired_is_the_median_of_per_round_ratios_within_one_worker() -> None:
     assert bench.paired(runs, a, ("kivi4", 1, 64)) is None
 
 
+def test_the_throughput_table_divides_the_means_over_every_timed_step() -> None:
+    """A step that seals rows (turbo: ~60 ms more at 16 x 1k) leaves a median alone; the
+    throughput table's rates are tokens / seconds over all the steps, and its ratios the two
+    means', where the decode table keeps the paired medians."""
+    fp32 = {**row(1, [10.0, 10.0, 10.0], "g"), "codec": "fp32", "context": 64}
+    turbo = {**row(1, [10.0, 40.0, 10.0], "g"), "codec": "turbo4", "context": 64}
+    for r in (fp32, turbo):
+        r["decode_tok_s_mean"] = 1e3 * len(r["step_ms"]) / sum(r["step_ms"])
+    by_key = {(r["codec"], 1, 64): r for r in (fp32, turbo)}
+    mean = {r["codec"]: r["1x64"] for r in bench.pivot([fp32, turbo], "decode_tok_s_mean", by_key)}
+    assert mean == {"fp32": "100.0", "turbo4": "50.0 (0.50x)"}
+    median = {r["codec"]: r["1x64"] for r in bench.pivot([fp32, turbo], "decode_tok_s", by_key)}
+    assert median == {"fp32": "100.0", "turbo4": "100.0 (1.00x)"}
+
+
 def test_contenders_take_turns_one_step_each_in_a_rotating_order(
     history_model: Llama, monkeypatch: pytest.MonkeyPatch
 ) -> None:
