@@ -45,9 +45,12 @@ class Encoded:
         return Encoded(*(t[start:stop] for t in self.tensors()))
 
 
-def with_flag(scale: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """Non-negative scales [N, 1] -> bf16 with the flag in the sign bit (-0.0 keeps it)."""
-    return torch.where(flag, -scale, scale).to(SCALE_DTYPE)
+def with_flag(scale: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
+    """Non-negative scales [N, 1] -> bf16 with the flag in the sign bit (-0.0 keeps it;
+    None: every flag clear)."""
+    return (
+        scale.to(SCALE_DTYPE) if flag is None else torch.where(flag, -scale, scale).to(SCALE_DTYPE)
+    )
 
 
 def split_flag(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,10 +135,10 @@ def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if groups * k != count:
         flat = torch.nn.functional.pad(flat, (0, groups * k - count))
     dtype = torch.float32 if nb <= 3 else torch.float64 if bits != 7 else torch.int64
-    c = flat.to(dtype)
-    word = c[:, 0::k].clone(memory_format=torch.contiguous_format)  # [N, G]
-    for i in range(1, k):
-        word.add_(c[:, i::k], alpha=1 << (bits * i))
+    # [N, G, k] against the k place values: whole numbers < 2^24 (float32) or < 2^53 (float64)
+    # in every partial sum, so the sum is exact in any order (one op, not k strided adds)
+    places = torch.tensor([1 << (bits * i) for i in range(k)], dtype=dtype, device=codes.device)
+    word = flat.to(dtype).view(n, groups, k) @ places  # [N, G]
     if nb == 1:
         return word.to(torch.uint8).view(*lead, groups)[..., : packed_width(count, bits)]
     word = word.to(torch.int32 if nb <= 3 else torch.int64)

@@ -297,6 +297,12 @@ class HeadStack:
 
     def encode(self, x: torch.Tensor, offsets: torch.Tensor | None, keys: bool) -> list[Encoded]:
         """x: [H, N, D], offsets [H, 1 or N, D] -> per-head Encoded (views of one buffer)."""
+        stacked = self.encode_stacked(x, offsets, keys)
+        return [Encoded(*(t[i] for t in stacked.tensors())) for i in range(self.heads)]
+
+    def encode_stacked(self, x: torch.Tensor, offsets: torch.Tensor | None, keys: bool) -> Encoded:
+        """x: [H, N, D], offsets [H, 1 or N, D] -> one Encoded whose fields are [H, N, width]
+        (a cache's seal of a few dozen rows is one chunk: its tensors, with no copy)."""
         h, n, d = x.shape
         if h != self.heads or d != self.first.head_dim:
             want = f"[{self.heads}, N, {self.first.head_dim}]"
@@ -307,10 +313,14 @@ class HeadStack:
         qjl = keys and self.first.key_mode == "qjl"
         book = self.first.key_codebook if keys else self.first.value_codebook
         device = self.first.device
+        step = max(BLOCK, _CHUNK // h // BLOCK * BLOCK)  # rows per head per step
+        if n <= step:
+            off = None if offsets is None else offsets.float()
+            part = self._chunk(x.float(), off, book, qjl)
+            return Encoded(*(t.view(h, n, -1) for t in part.tensors()))
         out = [
             torch.empty(h, n, w, dtype=dt, device=device) for w, dt in self._widths(book, qjl)
         ]  # [H, N, width] each
-        step = max(BLOCK, _CHUNK // h // BLOCK * BLOCK)  # rows per head per step
         for start in range(0, n, step):
             stop = min(n, start + step)
             off = None
@@ -319,7 +329,7 @@ class HeadStack:
             part = self._chunk(x[:, start:stop].float(), off, book, qjl)
             for dst, src in zip(out, part.tensors(), strict=True):
                 dst[:, start:stop] = src.view(h, stop - start, -1)
-        return [Encoded(*(t[i] for t in out)) for i in range(h)]
+        return Encoded(*out)
 
     def _widths(self, book: Codebook | None, qjl: bool) -> list[tuple[int, torch.dtype]]:
         """(width, dtype) of each Encoded field."""
@@ -336,14 +346,14 @@ class HeadStack:
     ) -> Encoded:
         """x: [H, c, D], offsets [H, 1 or c, D] -> Encoded rows [H*c] (head-major)."""
         h, c, _ = x.shape
-        flag = torch.zeros(h, c, 1, dtype=torch.bool, device=x.device)
+        flag = None  # no offset: every flag clear
         if offsets is not None:
             # ||x - o|| < ||x||  <=>  2 <x, o> > ||o||^2: no centred copy needed to decide.
             # Row by row (an elementwise product and a row sum), never a matrix product.
             dots = (x * offsets).sum(-1, keepdim=True)  # [H, c, 1]
             flag = dots * 2.0 > (offsets * offsets).sum(-1, keepdim=True)
             x = torch.addcmul(x, flag.float(), offsets, value=-1.0)
-        flag = flag.view(-1, 1)  # [H*c, 1]
+            flag = flag.view(-1, 1)  # [H*c, 1]
         p = self.first.padded
         y = self.rotations.forward(x).reshape(-1, p)  # [H*c, P], orthonormal
         norm = _row_norms(y)  # [H*c, 1] (the rotation keeps norms)

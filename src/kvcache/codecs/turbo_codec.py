@@ -75,9 +75,9 @@ class TurboBuffer(CentredBuffer):
 
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
         x = self.centred(x, metas, cells)
-        encoded = self.stack.encode(x.transpose(0, 1), None, self.keys)  # per head
-        codes = torch.stack([e.codes for e in encoded], dim=1)  # [T, H, W]
-        scale = torch.stack([e.scale for e in encoded], dim=1)  # [T, H, 1]
+        encoded = self.stack.encode_stacked(x.transpose(0, 1), None, self.keys)  # [H, T, ...]
+        codes = encoded.codes.transpose(0, 1)  # [T, H, W]
+        scale = encoded.scale.transpose(0, 1)  # [T, H, 1]
         if self.log_scale:
             scale = _log_code(scale)
         self.codes.index_copy_(0, cells, codes)
