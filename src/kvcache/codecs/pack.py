@@ -134,11 +134,16 @@ def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     groups = (count + k - 1) // k
     if groups * k != count:
         flat = torch.nn.functional.pad(flat, (0, groups * k - count))
-    dtype = torch.float32 if nb <= 3 else torch.float64 if bits != 7 else torch.int64
-    # [N, G, k] against the k place values: whole numbers < 2^24 (float32) or < 2^53 (float64)
-    # in every partial sum, so the sum is exact in any order (one op, not k strided adds)
+    # float32 holds whole numbers < 2^24 exactly; on a GPU float64 even then: TF32 (often
+    # switched on there) would round a float32 product
+    short = nb <= 3 and codes.device.type == "cpu"
+    dtype = torch.float32 if short else torch.float64 if bits != 7 else torch.int64
+    # [N, G, k] against the k place values in one product: every partial sum a whole number
+    # under 2^24 (float32) or 2^53 (float64), so exact in any order (not k strided adds);
+    # 7 bits' 56-bit words in int64 by a product and a sum (no integer matmul on a GPU)
     places = torch.tensor([1 << (bits * i) for i in range(k)], dtype=dtype, device=codes.device)
-    word = flat.to(dtype).view(n, groups, k) @ places  # [N, G]
+    c = flat.to(dtype).view(n, groups, k)
+    word = (c * places).sum(-1) if dtype == torch.int64 else c @ places  # [N, G]
     if nb == 1:
         return word.to(torch.uint8).view(*lead, groups)[..., : packed_width(count, bits)]
     word = word.to(torch.int32 if nb <= 3 else torch.int64)
