@@ -138,12 +138,15 @@ def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     # switched on there) would round a float32 product
     short = nb <= 3 and codes.device.type == "cpu"
     dtype = torch.float32 if short else torch.float64 if bits != 7 else torch.int64
-    # [N, G, k] against the k place values in one product: every partial sum a whole number
-    # under 2^24 (float32) or 2^53 (float64), so exact in any order (not k strided adds);
-    # 7 bits' 56-bit words in int64 by a product and a sum (no integer matmul on a GPU)
-    places = torch.tensor([1 << (bits * i) for i in range(k)], dtype=dtype, device=codes.device)
-    c = flat.to(dtype).view(n, groups, k)
-    word = (c * places).sum(-1) if dtype == torch.int64 else c @ places  # [N, G]
+    c = flat.to(dtype)
+    if dtype == torch.int64:  # 7 bits' 56-bit words: k strided adds (no integer matmul on a GPU)
+        word = c[:, 0::k].clone(memory_format=torch.contiguous_format)  # [N, G]
+        for i in range(1, k):
+            word.add_(c[:, i::k], alpha=1 << (bits * i))
+    else:  # [N, G, k] against the k place values in one product: every partial sum a whole
+        # number under 2^24 (float32) or 2^53 (float64), so exact in any order
+        places = torch.tensor([1 << (bits * i) for i in range(k)], dtype=dtype, device=c.device)
+        word = c.view(n, groups, k) @ places  # [N, G]
     if nb == 1:
         return word.to(torch.uint8).view(*lead, groups)[..., : packed_width(count, bits)]
     word = word.to(torch.int32 if nb <= 3 else torch.int64)
