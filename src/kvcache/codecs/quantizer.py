@@ -312,14 +312,13 @@ class HeadStack:
             require_on(offsets, self.first.device, "offsets")
         qjl = keys and self.first.key_mode == "qjl"
         book = self.first.key_codebook if keys else self.first.value_codebook
-        device = self.first.device
         step = max(BLOCK, _CHUNK // h // BLOCK * BLOCK)  # rows per head per step
         if n <= step:
             off = None if offsets is None else offsets.float()
             part = self._chunk(x.float(), off, book, qjl)
             return Encoded(*(t.view(h, n, -1) for t in part.tensors()))
         out = [
-            torch.empty(h, n, w, dtype=dt, device=device) for w, dt in self._widths(book, qjl)
+            torch.empty(h, n, w, dtype=dt, device=x.device) for w, dt in self._widths(book, qjl)
         ]  # [H, N, width] each
         for start in range(0, n, step):
             stop = min(n, start + step)
