@@ -1,6 +1,7 @@
-"""kernels.encode: the integer codecs' encoders in C++ equal their torch expressions bit for
-bit (codes, fp16 scales and minimums), write only the cells they are given, refuse bad
-arguments, and a cache that seals through them holds the codes the torch path writes."""
+"""kernels.encode: the codecs' encoders in C++ equal their torch expressions bit for bit
+(codes, fp16 scales and minimums; turbo's codes and flagged bf16 scales), write only the
+cells they are given, refuse bad arguments, and a cache that seals through them holds the
+codes the torch path writes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from kvcache import Batch, CausalCache
 from kvcache.codecs.ints import AffineRowsBuffer, Int8Buffer
 from kvcache.codecs.kivi import ChannelBuffer
+from kvcache.codecs.pack import packed_width
+from kvcache.codecs.quantizer import HeadStack, TurboQuantizer, correct_sqrt, fixed_sum
 from kvcache.kernels import encode
 from kvcache.kernels.encode import ENCODE_ENV
 from kvcache.models.rope import Rope
@@ -122,6 +125,118 @@ def test_channel_kernels_equal_the_torch_expressions(bits: int, dim: int) -> Non
         encode.ranges(x, -1, bits, got.scale, got.low)
 
 
+def _turbo_stack(dim: int, bits: int) -> HeadStack:
+    return HeadStack([TurboQuantizer(dim, bits, seed=s) for s in range(3)])
+
+
+@pytest.mark.parametrize(("dim", "bits", "offsets", "n"), [(64, 5, "none", 64),
+                                                           (64, 3, "shared", 64),
+                                                           (80, 4, "rows", 64),
+                                                           (128, 8, "rows", 2048),
+                                                           (32, 2, "none", 64),
+                                                           (256, 1, "shared", 64)])  # fmt: skip
+def test_turbo_kernel_equals_the_torch_expression(
+    dim: int, bits: int, offsets: str, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rotation (butterflies), norms, grid cells, packed codes and flagged bf16 scales of the
+    C++ encoder equal HeadStack's torch expressions bit for bit, for keys and values, with no
+    offset, one per head or one per row, rows over 10 decades, a zero row and rows whose
+    squares overflow float32 (D 80 pads to 128: zeros go through the butterflies). A norm one
+    ulp off moves an 8-bit code of about one row-head in a thousand: 2048 rows there."""
+    stack = _turbo_stack(dim, bits)
+    x = _rows(n, 3, dim, seed=dim + bits)
+    x[5], x[6, :, :3] = 1e20, -3e19  # squares past float32's range
+    g = torch.Generator().manual_seed(bits)
+    shape = {"none": None, "shared": (3, 1, dim), "rows": (3, n, dim)}[offsets]
+    off = None if shape is None else torch.randn(shape, generator=g) * 0.5
+    assert stack.kernel_serves(x, True)
+    for keys in (True, False):
+        monkeypatch.setenv(ENCODE_ENV, "kernel")
+        got = stack.encode_stacked(x.transpose(0, 1), off, keys)
+        monkeypatch.setenv(ENCODE_ENV, "reference")
+        want = stack.encode_stacked(x.transpose(0, 1), off, keys)
+        assert torch.equal(got.codes, want.codes), keys
+        assert torch.equal(got.scale.view(torch.int16), want.scale.view(torch.int16)), keys
+        flags = torch.signbit(got.scale)
+        if off is not None:  # the offset was subtracted from some rows and not from others
+            assert flags.any() and not flags.all()
+        else:
+            assert not flags.any()
+        assert got.scale[:, 5].float().abs().min() > 1e18  # the overflowing rows kept their norm
+
+
+def test_the_turbo_kernel_writes_only_its_cells() -> None:
+    stack = _turbo_stack(64, 5)
+    x = _rows(24, 3, 64, seed=7)
+    cells = torch.randperm(40, generator=torch.Generator().manual_seed(8))[:24]
+    codes = torch.zeros(40, 3, packed_width(64, 5), dtype=torch.uint8)
+    scale = torch.zeros(40, 3, 1, dtype=torch.bfloat16)
+    stack.encode_into(x, cells, None, True, codes, scale)
+    want = stack.encode_stacked(x.transpose(0, 1), None, True)
+    assert torch.equal(codes[cells], want.codes.transpose(0, 1))
+    assert torch.equal(scale[cells].view(torch.int16), want.scale.transpose(0, 1).view(torch.int16))
+    untouched = np.setdiff1d(np.arange(40), cells.numpy())
+    assert not codes[untouched].any() and not scale[untouched].float().any()
+
+
+def test_the_turbo_reference_sums_by_halving() -> None:
+    """fixed_sum adds v[:w/2] + v[w/2:] until one is left (csrc/encode.cpp's order), which a
+    library's vectorised sum need not: rows where the order changes the float32 result."""
+    g = torch.Generator().manual_seed(11)
+    v = (
+        torch.randn(4096, 64, generator=g)
+        * torch.logspace(-8, 8, 64)[torch.randperm(64, generator=g)]
+    )
+    want = v.numpy().copy()
+    half = 32
+    while half:
+        want[:, :half] = want[:, :half] + want[:, half : 2 * half]
+        half //= 2
+    assert np.array_equal(fixed_sum(v, 64)[:, 0].numpy(), want[:, 0])
+    padded = fixed_sum(v[:, :40], 64)[:, 0]  # zeros past the row
+    assert np.array_equal(
+        padded.numpy(), fixed_sum(torch.nn.functional.pad(v[:, :40], (0, 24)), 64)[:, 0].numpy()
+    )
+
+
+def test_the_torch_square_root_of_the_turbo_reference_is_rounded_correctly() -> None:
+    """The C++ encoder's std::sqrt is IEEE's (correctly rounded); torch's float32 sqrt here is
+    not, so the reference takes its roots through float64."""
+    v = torch.rand(200_000, generator=torch.Generator().manual_seed(9)) * 10.0
+    assert np.array_equal(correct_sqrt(v).numpy(), np.sqrt(v.numpy()))
+
+
+def test_bad_turbo_arguments_are_refused_and_write_nothing() -> None:
+    stack = _turbo_stack(64, 3)
+    book = stack.first.value_codebook
+    table = book.cell_codes.to(torch.uint8)
+    x = _rows(6, 3, 64, seed=10)[:4].contiguous()
+    codes = torch.zeros(8, 3, packed_width(64, 3), dtype=torch.uint8)
+    scale = torch.zeros(8, 3, 1, dtype=torch.bfloat16)
+    signs = stack.rotations.signs
+
+    def call(**change: object) -> None:
+        args = dict(x=x, cells=torch.arange(4), offsets=None, signs=signs, cell_codes=table,
+                    cell_squares=book.cell_squares, grid_bits=book.grid_bits, bits=3,
+                    codes=codes, scale=scale)  # fmt: skip
+        args.update(change)
+        encode.turbo(**args)  # type: ignore[arg-type]
+
+    with pytest.raises(RuntimeError, match="cell 8 outside"):
+        call(cells=torch.tensor([0, 1, 2, 8]))
+    with pytest.raises(RuntimeError, match="cell code 4 of more than 2 bits"):
+        call(bits=2, codes=torch.zeros(8, 3, packed_width(64, 2), dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="cell_codes uint8"):
+        call(grid_bits=book.grid_bits + 1)
+    with pytest.raises(RuntimeError, match="offsets must be"):
+        call(offsets=torch.zeros(2, 3, 64))
+    with pytest.raises(RuntimeError, match="pad to 64"):
+        call(x=x[..., :31].contiguous())
+    with pytest.raises(RuntimeError, match="scale must be"):
+        call(scale=torch.zeros(8, 3, 1, dtype=torch.float16))
+    assert not codes.any() and not scale.float().any()
+
+
 def test_bad_arguments_are_refused_and_write_nothing() -> None:
     x = _rows(6, 2, 64, seed=3)[:4].contiguous()
     codes = torch.zeros(8, 2, 32, dtype=torch.uint8)
@@ -204,7 +319,9 @@ def test_sealed_rows_are_the_rows_put() -> None:
     cache.close()
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "kivi4", "kivi2", "int8/int4"])
+@pytest.mark.parametrize(
+    "codec", ["int8", "int4", "kivi4", "kivi2", "int8/int4", "turbo4", "turbo3"]
+)
 def test_a_cache_sealing_through_the_kernels_holds_the_torch_paths_codes(
     codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

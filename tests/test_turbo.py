@@ -329,8 +329,8 @@ def test_per_row_offsets_equal_shared_offsets_row_by_row():
 @pytest.mark.parametrize("dim", [32, 100, 200])  # one GEMM; padded; two Hadamard stages
 def test_a_row_rotates_to_the_same_bits_whatever_it_is_batched_with(dim):
     """BLAS picks kernels by shape (products of 1..11 rows differ in the last bit from the
-    same rows of a larger product here); the encoding rotation runs on fixed-size blocks so
-    it does not, for one head or for a stack of heads."""
+    same rows of a larger product here); the encoding rotation is elementwise butterflies in
+    a fixed order, so a row's bits do not depend on its batch, for one head or a stack."""
     heads = [Rotation(dim, seed=s) for s in (4, 5, 6)]
     x = torch.randn(3, 300, dim)
     full = RotationStack(heads).forward(x)  # [3, 300, P]

@@ -74,10 +74,12 @@ class Codebook:
         )
 
     def cells(self, y: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        """Grid cells of t = y * factor: y [N, P], factor [N, 1] -> int32 [N * P]."""
-        offset = torch.tensor(-GRID_LO * (1 << self.grid_bits), device=y.device)
-        cell = torch.addcmul(offset, y, factor * float(1 << self.grid_bits))
-        return cell.clamp_(0, self.cell_codes.shape[0] - 1).to(torch.int32).view(-1)
+        """Grid cells of t = y * factor: y [N, P], factor [N, 1] -> int32 [N * P]: the cell
+        floor(y * (factor * 2^g)) counted from GRID_LO, clamped to the grid."""
+        offset = int(-GRID_LO * (1 << self.grid_bits))
+        t = torch.floor(y * (factor * float(1 << self.grid_bits)))
+        t = t.clamp_(-offset, self.cell_codes.shape[0] - 1 - offset).to(torch.int32)
+        return t.add_(offset).view(-1)
 
     def encode(self, t: torch.Tensor) -> torch.Tensor:
         """t: [N, P] (unit-variance units) -> codes [N, P] uint8 (the reference path)."""

@@ -49,11 +49,14 @@ compressed cache's centring has since become a function of the token index, see
   worse than one round), per-channel key scaling before the rotation (worse), float16
   instead of bfloat16 scales (equal; bfloat16 cannot overflow).
 
-Speed (goal: encode >= 400k vectors/s at D = 128 on this 2-core machine; measured 460-480k
-wall, ~700k per CPU-second, for a batched 8-head push, see the benchmark): all heads of a
-push go through one batched pipeline (:class:`HeadStack`), so each step is one op for every
-head. Every step treats rows independently and the products run on a multiple of 16 rows
-(``rotation.py``), so a vector's codes do not depend on what it was encoded with.
+Speed (goal: encode >= 400k vectors/s at D = 128 on this 2-core machine): float32 rows on
+the CPU go through the C++ encoder (``kvcache.kernels.encode.turbo``, codebook codes of keys
+and values), which equals the torch expressions of :class:`HeadStack` bit for bit; those
+(other devices, QJL keys, ``KVCACHE_ENCODE=reference``) run all heads of a push as one
+batched pipeline, one op per step for every head. Every step treats rows independently and
+sums in a fixed order (the rotation as butterflies, ``rotation.py``; :func:`fixed_sum`;
+correctly rounded roots, :func:`correct_sqrt`), so a vector's codes do not depend on what
+it was encoded with, nor on which of the two encoded it.
 
 Devices: a quantizer's tensors (rotation, codebooks, sketch) live on its ``device``
 (``device.py`` says which are served); inputs must be on it too.
@@ -73,6 +76,7 @@ from kvcache.codecs.pack import pack, packed_width
 from kvcache.codecs.qjl import QJLSketch, QJLStack
 from kvcache.codecs.rotation import BLOCK, Rotation, RotationStack
 from kvcache.errors import DimensionMismatchError, InvalidConfigError
+from kvcache.kernels import encode as kernel
 from kvcache.validate import config_int
 
 KEY_MODES = ("mse", "qjl")
@@ -283,6 +287,7 @@ class HeadStack:
         self.heads = len(quantizers)
         self.rotations = RotationStack([q.rotation for q in quantizers])
         self.sketches = QJLStack([q.qjl for q in quantizers])
+        self._cell_codes: dict[bool, torch.Tensor] = {}  # uint8 grid codes, for the kernel
 
     def encode_keys(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> list[Encoded]:
         """Keys x: [H, N, D] -> one Encoded per head; ``offsets`` [H, D] (one per head) or
@@ -310,6 +315,20 @@ class HeadStack:
         require_on(x, self.first.device, "x")
         if offsets is not None:
             require_on(offsets, self.first.device, "offsets")
+        if self.kernel_serves(x, keys):
+            xs = x.float().transpose(0, 1).contiguous()  # [N, H, D]
+            off = None if offsets is None else offsets.float().transpose(0, 1)
+            width = packed_width(self.first.padded, self._book(keys).bits)
+            codes = torch.empty(n, h, width, dtype=torch.uint8)
+            scale = torch.empty(n, h, 1, dtype=SCALE_DTYPE)
+            self.encode_into(xs, torch.arange(n), off, keys, codes, scale)
+            empty = torch.empty(h, n, 0, dtype=torch.uint8)
+            return Encoded(
+                codes.transpose(0, 1).contiguous(),
+                scale.transpose(0, 1).contiguous(),
+                empty,
+                empty.to(SCALE_DTYPE),
+            )
         qjl = keys and self.first.key_mode == "qjl"
         book = self.first.key_codebook if keys else self.first.value_codebook
         step = max(BLOCK, _CHUNK // h // BLOCK * BLOCK)  # rows per head per step
@@ -330,6 +349,45 @@ class HeadStack:
                 dst[:, start:stop] = src.view(h, stop - start, -1)
         return Encoded(*out)
 
+    def _book(self, keys: bool) -> Codebook:
+        book = self.first.key_codebook if keys else self.first.value_codebook
+        assert book is not None
+        return book
+
+    def kernel_serves(self, x: torch.Tensor, keys: bool, *outputs: torch.Tensor) -> bool:
+        """Whether the C++ encoder (``kvcache.kernels.encode.turbo``) takes rows ``x`` into
+        ``outputs``: codebook codes (not QJL keys) of float32 rows on the CPU."""
+        return not (keys and self.first.key_mode == "qjl") and kernel.served(x, *outputs)
+
+    def encode_into(
+        self,
+        x: torch.Tensor,
+        cells: torch.Tensor,
+        offsets: torch.Tensor | None,
+        keys: bool,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> None:
+        """Rows ``x`` [n, H, D] into ``codes`` [N', H, W] and the flagged bf16 ``scale``
+        [N', H, 1] at ``cells`` [n] with the C++ encoder (the same bits as :meth:`_chunk`);
+        ``offsets`` [n or 1, H, D] or None."""
+        book = self._book(keys)
+        table = self._cell_codes.get(keys)
+        if table is None:
+            table = self._cell_codes[keys] = book.cell_codes.to(torch.uint8).contiguous()
+        kernel.turbo(
+            x,
+            cells,
+            offsets,
+            self.rotations.signs,
+            table,
+            book.cell_squares,
+            book.grid_bits,
+            book.bits,
+            codes,
+            scale,
+        )
+
     def _widths(self, book: Codebook | None, qjl: bool) -> list[tuple[int, torch.dtype]]:
         """(width, dtype) of each Encoded field."""
         bits = book.bits if book is not None else 0
@@ -345,15 +403,14 @@ class HeadStack:
     ) -> Encoded:
         """x: [H, c, D], offsets [H, 1 or c, D] -> Encoded rows [H*c] (head-major)."""
         h, c, _ = x.shape
+        p = self.first.padded
         flag = None  # no offset: every flag clear
         if offsets is not None:
             # ||x - o|| < ||x||  <=>  2 <x, o> > ||o||^2: no centred copy needed to decide.
-            # Row by row (an elementwise product and a row sum), never a matrix product.
-            dots = (x * offsets).sum(-1, keepdim=True)  # [H, c, 1]
-            flag = dots * 2.0 > (offsets * offsets).sum(-1, keepdim=True)
-            x = torch.addcmul(x, flag.float(), offsets, value=-1.0)
-            flag = flag.view(-1, 1)  # [H*c, 1]
-        p = self.first.padded
+            dots = fixed_sum(x * offsets, p)  # [H, c, 1]
+            flag = dots * 2.0 > fixed_sum(offsets * offsets, p)
+            x = torch.where(flag, x - offsets, x)
+            flag = flag.reshape(-1, 1)  # [H*c, 1]
         y = self.rotations.forward(x).reshape(-1, p)  # [H*c, P], orthonormal
         norm = _row_norms(y)  # [H*c, 1] (the rotation keeps norms)
         inv = 1.0 / norm.clamp_min(1e-30)  # finite, so 0 * inv is never NaN
@@ -370,16 +427,43 @@ class HeadStack:
             residual = y * inv - decoded * (1.0 / root)  # [H*c, P]
             bits, rnorm = self.sketches.encode(residual.view(h, c, p))
             return Encoded(codes, with_flag(norm, flag), bits, rnorm)
-        length = book.cell_squares.index_select(0, cell).view(y.shape).sum(1, keepdim=True)
-        scale = norm * root / length.sqrt_().clamp_min(1e-30)  # decoded norm == input norm
+        length = fixed_sum(book.cell_squares.index_select(0, cell).view(y.shape), p)
+        scale = norm * root / correct_sqrt(length).clamp_min(1e-30)  # decoded norm == input norm
         no_sketch = torch.empty(rows, 0, dtype=SCALE_DTYPE, device=x.device)
         return Encoded(codes, with_flag(scale, flag), empty, no_sketch)
 
 
+def fixed_sum(v: torch.Tensor, width: int) -> torch.Tensor:
+    """Sums [..., 1] over the last axis of ``v`` in a fixed order: zero-padded to ``width`` (a
+    power of two), then halved, v[:w/2] + v[w/2:], until one is left. Elementwise additions
+    only, so each row's bits are independent of its batch and of how a library vectorises a
+    reduction (csrc/encode.cpp sums the same way)."""
+    if v.shape[-1] < width:
+        v = torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = v[..., :half] + v[..., half:]
+    return v
+
+
+def correct_sqrt(v: torch.Tensor) -> torch.Tensor:
+    """Square roots of float32 ``v`` rounded correctly (IEEE's sqrt, as csrc/encode.cpp's
+    ``std::sqrt``): torch's float32 sqrt on this CPU is not (15 % of random inputs differ by an
+    ulp); a float64 root rounded to float32 is, for float32 inputs."""
+    return v.double().sqrt_().float()
+
+
+_DOWN, _UP = 2.0**-80, 2.0**80  # exact rescaling of rows whose squares overflow float32
+
+
 def _row_norms(x: torch.Tensor) -> torch.Tensor:
-    """Euclidean norms [N, 1] of x: [N, D] float32, exact even where squares overflow float32."""
-    norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-    bad = ~torch.isfinite(norm[:, 0])  # rows with some |x_i| > ~1e19: redo those in float64
+    """Euclidean norms [N, 1] of x: [N, P] float32 (P a power of two), summed in a fixed order
+    (:func:`fixed_sum`); rows whose squares overflow float32 are summed at 2^-80 of their size
+    (a power of two: exact) and scaled back."""
+    width = x.shape[1]
+    norm = correct_sqrt(fixed_sum(x * x, width))
+    bad = ~torch.isfinite(norm[:, 0])  # rows with some |x_i| > ~1e19
     if bool(bad.any()):  # only those rows, so no row's norm depends on its neighbours
-        norm[bad] = torch.linalg.vector_norm(x[bad].double(), dim=1, keepdim=True).float()
+        small = x[bad] * _DOWN
+        norm[bad] = correct_sqrt(fixed_sum(small * small, width)) * _UP
     return norm

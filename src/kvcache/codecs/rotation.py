@@ -9,23 +9,23 @@ Layout: rows are vectors; ``Rotation`` maps ``[N, D] -> [N, P]`` (one head),
 ``RotationStack`` maps ``[H, N, D] -> [H, N, P]`` with head h's own signs (one op per step for
 all heads).
 
-Speed: the fast Walsh–Hadamard transform is mixed-radix, stages of ``x @ H_r`` on a ``[.., r]``
-view with ``r <= 128`` (O(P r log_r P)); at P <= 128 it is one GEMM with the sign flips folded
-into the matrix ``diag(signs) H / sqrt(P)`` (a bmm over heads), ~20x faster here than 7
-radix-2 butterfly passes, which are memory-bound.
+Speed: for queries and decoding (:class:`Rotation`) the fast Walsh–Hadamard transform is
+mixed-radix, stages of ``x @ H_r`` on a ``[.., r]`` view with ``r <= 128`` (O(P r log_r P));
+at P <= 128 it is one GEMM with the sign flips folded into the matrix ``diag(signs) H /
+sqrt(P)``, ~20x faster in torch here than 7 radix-2 butterfly passes, which are memory-bound.
+Encoding on the CPU goes through the C++ encoder, which runs the butterflies in registers.
 
-Batch invariance: on the encoding path (:class:`RotationStack`) every product runs on a
-multiple of ``BLOCK`` = 16 rows (zero-padded). BLAS picks its kernel by shape: the same row
-in a product of 1..11 rows and in a larger one can differ in the last bit (measured here,
-against a 1200-row product: rows of 1..3-row products always differed, and for one head
-also 5..7 and 9..11 rows; from 12 rows on every row came out the same), which now and then
-moves a code across a codebook boundary. Padded to 16 rows, a vector rotates to the same
-bits whatever it was batched with, so the compressed cache gives the same codes however its
-tokens were pushed (``tests/test_compressed.py`` checks it on random chunkings, and
-``tests/test_turbo.py`` row by row). 16 rather than 64: a decode step's push pays for 16
-rows (3 heads, D 64, one thread: 7.6 us a product, 21 us for 64 rows, 3.1 us for 1).
-Decoding and queries (:meth:`Rotation.forward`, :meth:`Rotation.inverse`) see the same
-shapes whatever the pushes were: plain products.
+Batch invariance: the encoding path (:class:`RotationStack`) runs the transform as radix-2
+butterflies, stage by stage (:func:`butterflies`): elementwise float32 additions in a fixed
+order, so a vector rotates to the same bits whatever it was batched with and the compressed
+cache gives the same codes however its tokens were pushed (``tests/test_compressed.py`` checks
+it on random chunkings, ``tests/test_turbo.py`` row by row), and the C++ encoder
+(``csrc/encode.cpp``) repeats the same operations bit for bit. A BLAS product picks its kernel
+by shape: the same row in a product of 1..11 rows and in a larger one can differ in the last
+bit (measured here), which now and then moves a code across a codebook boundary; the QJL
+sketch, which still multiplies, runs its products on a multiple of ``BLOCK`` = 16 rows
+(:func:`padded_rows`). Decoding and queries (:meth:`Rotation.forward`,
+:meth:`Rotation.inverse`) see the same shapes whatever the pushes were: plain products.
 """
 
 from __future__ import annotations
@@ -77,6 +77,23 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return y * (1.0 / math.sqrt(p))
 
 
+def butterflies(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh–Hadamard transform of rows ``x: [..., P]`` (P a power of two) as
+    radix-2 butterflies in a fixed order: stage h = 1, 2, ..., P/2 maps each pair (v[i],
+    v[i + h]) of a block of 2h to (v[i] + v[i + h], v[i] - v[i + h]). Only elementwise
+    additions: every row's bits are independent of its batch (csrc/encode.cpp runs the same)."""
+    *lead, p = x.shape
+    assert p & (p - 1) == 0, f"butterflies need a power-of-two width, got {p}"
+    v = x.reshape(-1, p)
+    n, h = v.shape[0], 1
+    while h < p:
+        pairs = v.view(n, p // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        v = torch.stack((a + b, a - b), dim=2).view(n, p)
+        h *= 2
+    return v.view(*lead, p)
+
+
 def padded_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn`` applied to x [..., N, K] zero-padded to a multiple of BLOCK rows -> [..., N, K'].
 
@@ -126,8 +143,8 @@ class Rotation:
 
 
 class RotationStack:
-    """H rotations applied together: x [H, N, D] -> [H, N, P], head h with rotations[h], on a
-    multiple of BLOCK rows: what encoding uses, so a vector's codes do not depend on its batch."""
+    """H rotations applied together: x [H, N, D] -> [H, N, P], head h with rotations[h], as
+    butterflies (what encoding uses: a vector's codes do not depend on its batch)."""
 
     def __init__(self, rotations: Sequence[Rotation]) -> None:
         first = rotations[0]
@@ -141,13 +158,7 @@ class RotationStack:
         self.matrices = torch.stack(mats) if len(mats) == self.heads else None  # [H, D, P]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [H, N, D] -> [H, N, P]: per-head sign flips, then one shared transform."""
-        if self.matrices is not None:
-            matrices = self.matrices
-            return padded_rows(lambda b: torch.bmm(b, matrices), x)
-        return padded_rows(self._fwht_forward, x)
-
-    def _fwht_forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, n, _ = x.shape
-        x = torch.nn.functional.pad(x, (0, self.padded - self.dim))  # [H, B, P]
-        return fwht((x * self.signs[:, None]).view(-1, self.padded)).view(h, n, self.padded)
+        """x: [H, N, D] -> [H, N, P]: zero-padded, per-head sign flips, the butterflies, then
+        1/sqrt(P) (float32 operations in a fixed order)."""
+        x = torch.nn.functional.pad(x, (0, self.padded - self.dim))  # [H, N, P]
+        return butterflies(x * self.signs[:, None]) * (1.0 / math.sqrt(self.padded))

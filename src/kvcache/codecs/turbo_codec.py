@@ -75,6 +75,9 @@ class TurboBuffer(CentredBuffer):
 
     def _encode(self, cells: torch.Tensor, x: torch.Tensor, metas: np.ndarray) -> None:
         x = self.centred(x, metas, cells)
+        if not self.log_scale and self.stack.kernel_serves(x, self.keys, self.codes, self.scale):
+            self.stack.encode_into(x, cells, None, self.keys, self.codes, self.scale)
+            return
         encoded = self.stack.encode_stacked(x.transpose(0, 1), None, self.keys)  # [H, T, ...]
         codes = encoded.codes.transpose(0, 1)  # [T, H, W]
         scale = encoded.scale.transpose(0, 1)  # [T, H, 1]

@@ -1,11 +1,12 @@
-"""Encoders of the integer codecs in C++ (``csrc/encode.cpp``): rows to codes, written into
-the buffer's cells in one call (int8; affine rows: int4 and KIVI's values; KIVI's keys: a
-record's channel ranges, then codes against them).
+"""Encoders of the codecs in C++ (``csrc/encode.cpp``): rows to codes, written into the
+buffer's cells in one call (int8; affine rows: int4 and KIVI's values; KIVI's keys: a
+record's channel ranges, then codes against them; turbo's rotated codebook codes).
 
 A decode step that seals a sequence's oldest window rows encodes a few dozen rows per layer
 and K/V; as torch expressions that is ~20 small ops a call, and with sequences of different
 lengths some sequence seals on every other step. The kernels equal the torch expressions of
-``kvcache.codecs.ints`` and ``kvcache.codecs.kivi`` bit for bit (tests/test_encode.py);
+``kvcache.codecs.ints``, ``kvcache.codecs.kivi`` and ``kvcache.codecs.quantizer`` bit for bit
+(tests/test_encode.py, tests/test_turbo.py);
 ``KVCACHE_ENCODE=reference`` (or a tensor the kernels do not serve: not float32, not on the
 CPU) takes the torch path.
 """
@@ -78,4 +79,35 @@ def channels(
         codes,
         scale,
         low,
+    )
+
+
+def turbo(
+    x: torch.Tensor,
+    cells: torch.Tensor,
+    offsets: torch.Tensor | None,
+    signs: torch.Tensor,
+    cell_codes: torch.Tensor,
+    cell_squares: torch.Tensor,
+    grid_bits: int,
+    bits: int,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """Rows ``x`` [n, H, D] rotated (head h's ``signs`` [H, P], then the Walsh-Hadamard
+    butterflies), normed and coded on the codebook's grid (``cell_codes`` uint8 and
+    ``cell_squares`` [16 * 2^grid_bits]) into packed ``codes`` [N, H, P*bits/8] and the
+    flagged bf16 ``scale`` [N, H, 1] at ``cells`` [n]; ``offsets`` [n or 1, H, D] are
+    subtracted from the rows whose norm they shrink."""
+    extension().encode_turbo(
+        x.contiguous(),
+        cells.long().contiguous(),
+        torch.empty(0) if offsets is None else offsets.float().contiguous(),
+        signs.float().contiguous(),
+        cell_codes,
+        cell_squares,
+        int(grid_bits),
+        int(bits),
+        codes,
+        scale,
     )

@@ -726,6 +726,10 @@ void range_channels(const at::Tensor& x, int64_t meta, int64_t bits, at::Tensor&
 void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& metas,
                      int64_t bits, at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& low);
+void encode_turbo(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& offsets,
+                  const at::Tensor& signs, const at::Tensor& cell_codes,
+                  const at::Tensor& cell_squares, int64_t grid_bits, int64_t bits,
+                  at::Tensor& codes, at::Tensor& scale);
 // rows.cpp
 at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void put_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
@@ -757,5 +761,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_affine", &kvk::encode_affine, "affine codes, scales, minimums, into cells");
   m.def("range_channels", &kvk::range_channels, "a record's channel ranges over its rows");
   m.def("encode_channels", &kvk::encode_channels, "codes of rows against their records' ranges");
+  m.def("encode_turbo", &kvk::encode_turbo, "turbo codes and flagged scales of rows, into cells");
   m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
 }

@@ -13,7 +13,12 @@
 //           rows, lo, hi = min, max over rows; scale = fp16((hi - lo) / levels), low = fp16(lo);
 //           a row's codes against its record: q = clamp(round((x - low) / max(scale, tiny)),
 //           0, levels), packed as above
+//   turbo (src/kvcache/codecs/quantizer.py, HeadStack): the mse path of a head's rotation and
+//           codebook, every sum in a fixed order (pairwise halving of a zero-padded row, the
+//           rotation as radix-2 butterflies) and no fused multiply-adds, so that the torch
+//           expressions, which run the same elementwise operations, give the same bits
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
@@ -73,6 +78,87 @@ void check_out(const at::Tensor& t, at::ScalarType type, int64_t rows, int64_t H
                   t.size(1) == H && t.size(2) == width,
               "kvcache encode: ", name, " must be a contiguous ", c10::toString(type), " [",
               rows, ", ", H, ", ", width, "] tensor");
+}
+
+// Codes [count] (each < 2^bits, bits 1..8) packed little end first into ceil(count * bits / 8)
+// bytes (kvcache.codecs.pack's layout for any width)
+void pack_bits(const uint8_t* q, int64_t count, int64_t bits, uint8_t* out) {
+  uint64_t acc = 0;
+  int64_t have = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    acc |= (uint64_t)q[i] << have;
+    for (have += bits; have >= 8; have -= 8, acc >>= 8) *out++ = (uint8_t)acc;
+  }
+  if (have > 0) *out = (uint8_t)acc;
+}
+
+constexpr int64_t MAX_PADDED = 1024;  // turbo rows of at most this many padded coordinates
+constexpr int64_t TURBO_GRAIN = 64;   // turbo rows (cell x head) a thread takes at least
+
+// v[0] + ... + v[P-1], P a power of two, by halving: v[i] += v[i + P/2], ... (the order of
+// quantizer.fixed_sum), float32 roundings, never fused
+__attribute__((optimize("fp-contract=off"))) float halving_sum(float* v, int64_t P) {
+  for (int64_t h = P / 2; h >= 1; h /= 2)
+    for (int64_t i = 0; i < h; ++i) v[i] = v[i] + v[i + h];
+  return v[0];
+}
+
+struct TurboTables {
+  int64_t D, P, bits, width, grid_cells;
+  float root, unit, grid, offset;  // sqrt(P), 1 / sqrt(P), 2^g, -GRID_LO * 2^g
+  const uint8_t* cell_codes;       // [grid_cells]
+  const float* cell_squares;       // [grid_cells]
+};
+
+// One row x [D] of head h (signs [P], offset o [D] or null) -> packed codes [width] and the
+// flagged bf16 scale, as HeadStack._chunk's torch expressions compute them
+__attribute__((optimize("fp-contract=off"))) void turbo_row(const float* x, const float* o,
+                                                            const float* signs,
+                                                            const TurboTables& t, uint8_t* out,
+                                                            c10::BFloat16* scale) {
+  const int64_t D = t.D, P = t.P;
+  float v[MAX_PADDED], w[MAX_PADDED];
+  bool flag = false;
+  if (o != nullptr) {  // subtract the offset where that shrinks the row: 2 <x, o> > ||o||^2
+    for (int64_t i = 0; i < P; ++i) v[i] = i < D ? x[i] * o[i] : 0.f;
+    for (int64_t i = 0; i < P; ++i) w[i] = i < D ? o[i] * o[i] : 0.f;
+    const float dots = halving_sum(v, P);
+    flag = dots * 2.f > halving_sum(w, P);
+  }
+  for (int64_t i = 0; i < P; ++i) v[i] = (i < D ? (flag ? x[i] - o[i] : x[i]) : 0.f) * signs[i];
+  for (int64_t h = 1; h < P; h *= 2)  // radix-2 butterflies, stage by stage
+    for (int64_t j = 0; j < P; j += 2 * h)
+      for (int64_t i = j; i < j + h; ++i) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+  for (int64_t i = 0; i < P; ++i) v[i] = v[i] * t.unit;
+  for (int64_t i = 0; i < P; ++i) w[i] = v[i] * v[i];
+  float norm = std::sqrt(halving_sum(w, P));  // IEEE sqrt: correctly rounded
+  if (!std::isfinite(norm)) {  // squares past float32's range: at 2^-80 of the size (exact)
+    for (int64_t i = 0; i < P; ++i) {
+      const float small = v[i] * 0x1p-80f;
+      w[i] = small * small;
+    }
+    norm = std::sqrt(halving_sum(w, P)) * 0x1p80f;
+  }
+  const float inv = 1.f / std::max(norm, 1e-30f);
+  const float factor = inv * t.root * t.grid;
+  uint8_t q[MAX_PADDED];
+  const float last = (float)(t.grid_cells - 1) - t.offset;
+  for (int64_t i = 0; i < P; ++i) {
+    float cell = std::floor(v[i] * factor);
+    if (!(cell >= -t.offset)) cell = -t.offset;  // NaN too (a row no model should store)
+    if (cell > last) cell = last;
+    const int64_t at = (int64_t)cell + (int64_t)t.offset;
+    q[i] = t.cell_codes[at];
+    w[i] = t.cell_squares[at];
+  }
+  const float length = std::max(std::sqrt(halving_sum(w, P)), 1e-30f);
+  const float s = norm * t.root / length;
+  *scale = c10::BFloat16(flag ? -s : s);
+  pack_bits(q, P, t.bits, out);
 }
 
 }  // namespace
@@ -203,6 +289,66 @@ void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Ten
         q[i] = std::min(std::max(std::nearbyint((v[i] - lowf) / safe), 0.f), levels);
       }
       pack_codes(q, D, bits, qp + (cp[r / H] * H + r % H) * (D / per));
+    }
+  });
+}
+
+// Turbo codes of rows x [n, H, D] into cells [n]: codes uint8 [N', H, ceil(P * bits / 8)] and
+// scale bf16 [N', H, 1] (sign bit: the offset was subtracted); offsets float32 [n or 1, H, D]
+// or an empty tensor (none); signs float32 [H, P]; cell_codes uint8 and cell_squares float32
+// [G]: the codebook's grid of step 2^-grid_bits over [-8, 8)
+void encode_turbo(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& offsets,
+                  const at::Tensor& signs, const at::Tensor& cell_codes,
+                  const at::Tensor& cell_squares, int64_t grid_bits, int64_t bits,
+                  at::Tensor& codes, at::Tensor& scale) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, "kvcache encode: turbo codes of 1 to 8 bits");
+  TORCH_CHECK(grid_bits >= 0 && grid_bits <= 20, "kvcache encode: grid_bits outside [0, 20]");
+  TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.dim() == 2 && signs.is_contiguous(),
+              "kvcache encode: signs must be a contiguous float32 [H, P] tensor");
+  const int64_t H = signs.size(0), P = signs.size(1);
+  TORCH_CHECK(P >= 2 && P <= MAX_PADDED && (P & (P - 1)) == 0,
+              "kvcache encode: turbo rows pad to a power of two in [2, ", MAX_PADDED, "]");
+  const int64_t G = cell_codes.numel();
+  TORCH_CHECK(cell_codes.scalar_type() == at::kByte && cell_codes.dim() == 1 &&
+                  cell_codes.is_contiguous() && cell_squares.scalar_type() == at::kFloat &&
+                  cell_squares.dim() == 1 && cell_squares.is_contiguous() &&
+                  cell_squares.numel() == G && G == (int64_t(16) << grid_bits),
+              "kvcache encode: cell_codes uint8 and cell_squares float32 must be contiguous [",
+              int64_t(16) << grid_bits, "] tensors");
+  const int64_t rows = codes.size(0), width = (P * bits + 7) / 8;
+  TORCH_CHECK(x.dim() == 3 && x.size(2) >= 1 && x.size(2) <= P && (P == 2 || x.size(2) > P / 2),
+              "kvcache encode: rows of ", P == 2 ? 1 : P / 2 + 1, " to ", P, " channels pad to ", P);
+  const int64_t D = x.size(2);
+  check_out(codes, at::kByte, rows, H, width, "codes");
+  check_out(scale, at::kBFloat16, rows, H, 1, "scale");
+  const int64_t n = check_rows(x, cells, rows, H, D);
+  const bool centred = offsets.numel() > 0;
+  if (centred)
+    TORCH_CHECK(offsets.scalar_type() == at::kFloat && offsets.dim() == 3 &&
+                    offsets.is_contiguous() && (offsets.size(0) == n || offsets.size(0) == 1) &&
+                    offsets.size(1) == H && offsets.size(2) == D,
+                "kvcache encode: offsets must be a contiguous float32 [", n, " or 1, ", H, ", ",
+                D, "] tensor");
+  const uint8_t* codes_of = cell_codes.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < G; ++i)
+    TORCH_CHECK(codes_of[i] < (1 << bits), "kvcache encode: cell code ", (int)codes_of[i],
+                " of more than ", bits, " bits");
+  const float grid = std::ldexp(1.f, (int)grid_bits);
+  const TurboTables t{D,    P,    bits,   width, G, (float)std::sqrt((double)P),
+                      (float)(1.0 / std::sqrt((double)P)), grid, 8.f * grid, codes_of,
+                      cell_squares.data_ptr<float>()};
+  const float* xp = x.data_ptr<float>();
+  const float* op = centred ? offsets.data_ptr<float>() : nullptr;
+  const int64_t o_step = centred && offsets.size(0) == n ? H * D : 0;
+  const float* sg = signs.data_ptr<float>();
+  const int64_t* cp = cells.data_ptr<int64_t>();
+  uint8_t* qp = codes.data_ptr<uint8_t>();
+  c10::BFloat16* spp = scale.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n * H, TURBO_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = r / H, h = r % H, at_ = cp[i] * H + h;
+      const float* o = op == nullptr ? nullptr : op + i * o_step + h * D;
+      turbo_row(xp + r * D, o, sg + h * P, t, qp + at_ * width, spp + at_);
     }
   });
 }
