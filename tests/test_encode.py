@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcache import Batch, CausalCache
+from kvcache.codecs.encoded import Encoded
 from kvcache.codecs.ints import AffineRowsBuffer, Int8Buffer
 from kvcache.codecs.kivi import ChannelBuffer
 from kvcache.codecs.pack import packed_width
@@ -163,6 +164,19 @@ def test_turbo_kernel_equals_the_torch_expression(
         else:
             assert not flags.any()
         assert got.scale[:, 5].float().abs().min() > 1e18  # the overflowing rows kept their norm
+
+
+def test_turbo_rows_wider_than_the_kernel_takes_go_through_torch() -> None:
+    """A head of 1100 channels pads to 2048, past the kernel's 1024: torch encodes it, and
+    the codes decode to the row's direction."""
+    stack = _turbo_stack(1100, 4)
+    x = torch.randn(3, 2, 1100, generator=torch.Generator().manual_seed(12))  # [H, N, D]
+    assert not stack.kernel_serves(x.transpose(0, 1).contiguous(), True)
+    enc = stack.encode_stacked(x, None, True)
+    assert enc.codes.shape == (3, 2, packed_width(2048, 4))
+    back = stack.first.decode_keys(Encoded(*(t[0] for t in enc.tensors())))
+    cos = torch.nn.functional.cosine_similarity(back, x[0], dim=-1)
+    assert (cos > 0.99).all()
 
 
 def test_the_turbo_kernel_writes_only_its_cells() -> None:

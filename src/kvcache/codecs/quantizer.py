@@ -356,8 +356,13 @@ class HeadStack:
 
     def kernel_serves(self, x: torch.Tensor, keys: bool, *outputs: torch.Tensor) -> bool:
         """Whether the C++ encoder (``kvcache.kernels.encode.turbo``) takes rows ``x`` into
-        ``outputs``: codebook codes (not QJL keys) of float32 rows on the CPU."""
-        return not (keys and self.first.key_mode == "qjl") and kernel.served(x, *outputs)
+        ``outputs``: codebook codes (not QJL keys) of float32 rows on the CPU, padded to at
+        most ``TURBO_MAX_PADDED`` channels."""
+        return (
+            not (keys and self.first.key_mode == "qjl")
+            and self.first.padded <= kernel.TURBO_MAX_PADDED
+            and kernel.served(x, *outputs)
+        )
 
     def encode_into(
         self,

@@ -20,6 +20,7 @@ import torch
 from kvcache.kernels.build import extension
 
 ENCODE_ENV = "KVCACHE_ENCODE"  # "reference": the codecs' torch expressions
+TURBO_MAX_PADDED = 1024  # turbo rows the kernel encodes: at most this many padded channels
 
 
 def served(x: torch.Tensor, *outputs: torch.Tensor) -> bool:
