@@ -479,3 +479,28 @@ def test_key_value_spec_and_variant_names():
     assert make_codec("turbo3:key_bits=3,value_bits=3").name == "turbo3:key_bits=3,value_bits=3"
     with pytest.raises(InvalidConfigError):
         make_codec("int8/nope", "value")
+
+
+def test_a_rotary_frame_reuses_its_tables_only_for_the_same_positions() -> None:
+    """RotaryFrame keeps the tables of the last positions it rotated by (a seal rotates the
+    same rows' centres in every layer); positions moved in place (a remove's shift), another
+    sign or another dtype get their own."""
+    from kvcache.codecs.base import RotaryFrame
+
+    rope = Rope(64, 100000.0)
+    positions = np.arange(100, dtype=np.int64)
+    frame = RotaryFrame(positions, rope)
+    x = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(13))
+    cells = np.array([3, 4, 5, 9])
+
+    def fresh(pos: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return rope.rotate(x.to(dtype), *rope.tables(torch.from_numpy(pos), dtype))
+
+    assert torch.equal(frame.rotate(x, cells), fresh(positions[cells]))
+    assert torch.equal(frame.rotate(x, cells), fresh(positions[cells]))  # from the memo
+    positions[cells] -= 2  # the cache shifts positions in place
+    assert torch.equal(frame.rotate(x, cells), fresh(positions[cells]))
+    assert torch.equal(frame.rotate(x, cells, -1), fresh(-positions[cells]))
+    half = frame.rotate(x.half(), cells, -1)
+    assert half.dtype == torch.float16
+    assert torch.equal(half, fresh(-positions[cells], torch.float16))

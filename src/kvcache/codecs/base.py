@@ -12,7 +12,7 @@ cache's :class:`~kvcache.recent.SealPlan` says (see ``kvcache.recent`` and ``win
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -74,12 +74,20 @@ class RotaryFrame:
 
     positions: np.ndarray
     shift: RotaryShift
+    # the tables of the last positions rotated by, keyed by their values (a seal rotates the
+    # same rows' centres in every layer: one table for all of them, ~0.1 ms a layer saved)
+    _last: (
+        tuple[tuple[bytes, torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = field(default=None, repr=False, compare=False)
 
     def rotate(self, x: torch.Tensor, cells: np.ndarray, sign: int = 1) -> torch.Tensor:
         """Rows ``x`` [n, H, D] rotated by ``sign`` times the positions of ``cells`` [n]."""
-        pos = torch.from_numpy(self.positions[cells] * sign).to(x.device)
-        cos, sin = self.shift.tables(pos, x.dtype)
-        return self.shift.rotate(x, cos.to(x.device), sin.to(x.device))
+        pos = np.ascontiguousarray(self.positions[cells] * sign, dtype=np.int64)
+        key = (pos.tobytes(), x.dtype, x.device)
+        if self._last is None or self._last[0] != key:
+            cos, sin = self.shift.tables(torch.from_numpy(pos).to(x.device), x.dtype)
+            self._last = (key, (cos.to(x.device), sin.to(x.device)))
+        return self.shift.rotate(x, *self._last[1])
 
 
 class Buffer(ABC):
