@@ -299,6 +299,21 @@ def test_turbo_keys_score_the_query_the_reference_rounds(dim: int):
     assert not torch.equal(rounded, q)
 
 
+def test_the_prompt_tiles_round_turbo_queries_by_the_kernel_as_the_reference_does():
+    """The prompt tiles take turbo's rounded query from the kernel (turbo_steps_kernel: one
+    turbo_steps16 call per KV head, the rows scaled first): bit for bit ``turbo_steps``, each
+    query head against its own KV head's signs."""
+    from kvcache.kernels.attend import turbo_steps, turbo_steps_kernel
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(300, 9, 64, generator=g) * torch.logspace(-3, 3, 300)[:, None, None]
+    signs = torch.randint(0, 2, (3, 64), generator=g).float() * 2 - 1
+    scale = 128**-0.5  # as a head of 128 channels scales (not a power of two)
+    got = turbo_steps_kernel(q, scale, signs)
+    assert torch.equal(got, turbo_steps(q, scale, signs))
+    assert not torch.equal(got, q)
+
+
 def test_another_cpu_gets_its_own_kernel_build(monkeypatch: pytest.MonkeyPatch):
     """The kernels are built with -march=native: a build folder shared by two machines (one
     home on both) must not load one CPU's instructions on the other, so the CPU names it."""
