@@ -13,7 +13,7 @@ take one step each in turn. Reports the mean step (every step counts: the seal s
 point) and each codec's ratio to fp32 over the same rounds, then writes
 benchmarks/results/seal_cost.json and seal_cost.png.
 
-    python benchmarks/seal_cost.py                       # 16 x 1024, fp32 int8 int4 kivi4
+    python benchmarks/seal_cost.py                       # 16 x 1024, fp32 int8 int4 kivi4 turbo4
     python benchmarks/seal_cost.py --codecs fp32 int4 --batch 4 --context 256 --steps 32
 
 Run it on a quiet machine; the ratios come from one process, the milliseconds do not travel.
@@ -44,7 +44,7 @@ MODES = ("kernel", "reference")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--codecs", nargs="+", default=["fp32", "int8", "int4", "kivi4"])
+    p.add_argument("--codecs", nargs="+", default=["fp32", "int8", "int4", "kivi4", "turbo4"])
     p.add_argument("--batch", type=int, default=16, help="sequences decoding together")
     p.add_argument("--context", type=int, default=1024, help="tokens of the shortest prompt")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per layout")
