@@ -315,10 +315,12 @@ class HeadStack:
         require_on(x, self.first.device, "x")
         if offsets is not None:
             require_on(offsets, self.first.device, "offsets")
-        if self.kernel_serves(x, keys):
+        qjl = keys and self.first.key_mode == "qjl"
+        book = self.first.key_codebook if keys else self.first.value_codebook
+        if book is not None and self.kernel_serves(x, keys):
             xs = x.float().transpose(0, 1).contiguous()  # [N, H, D]
             off = None if offsets is None else offsets.float().transpose(0, 1)
-            width = packed_width(self.first.padded, self._book(keys).bits)
+            width = packed_width(self.first.padded, book.bits)
             codes = torch.empty(n, h, width, dtype=torch.uint8)
             scale = torch.empty(n, h, 1, dtype=SCALE_DTYPE)
             self.encode_into(xs, torch.arange(n), off, keys, codes, scale)
@@ -329,8 +331,6 @@ class HeadStack:
                 empty,
                 empty.to(SCALE_DTYPE),
             )
-        qjl = keys and self.first.key_mode == "qjl"
-        book = self.first.key_codebook if keys else self.first.value_codebook
         step = max(BLOCK, _CHUNK // h // BLOCK * BLOCK)  # rows per head per step
         if n <= step:
             off = None if offsets is None else offsets.float()
