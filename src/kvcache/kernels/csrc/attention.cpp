@@ -113,8 +113,10 @@ void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int 
     const int64_t r0 = (h * ne + e) * G;
     const float* q0 = w.q.data() + r0 * D;
     float* sc0 = w.sc.data() + e * G * BLK;
+#if KVK_AVX2  // direct_keys picks this path only where AVX2 is
     qk4_rows(w.q16.data() + r0 * D, w.qscale.data() + r0, (int)G, (int)D, w.knib.data(), ja, jb,
              w.kscale.data(), (int)width, sc0, ls);
+#endif
     for (int64_t gr = 0; gr < groups; ++gr) {
       const float* lo = w.klow.data() + gr * BLK;
       for (int64_t g = 0; g < G; ++g) {

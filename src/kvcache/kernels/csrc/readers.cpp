@@ -536,7 +536,7 @@ template <int BITS>
 inline constexpr Unpack16<BITS> kUnpack16{};
 
 template <int BITS>
-inline __m512i codes16(const uint8_t* row, int64_t i) {
+inline __m512i unpack16(const uint8_t* row, int64_t i) {
   // a masked load reads only the 2 * BITS bytes (never past the row)
   const __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * BITS)) - 1), row + i * BITS / 8);
   const __m512i b = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw),
@@ -566,7 +566,7 @@ inline __m512 lookup16(const float* table, __m512i idx) {
 struct TurboVec : Vec16 {
   template <int BITS>
   static V levels(const float* table, const uint8_t* row, int i, int /*width*/) {
-    return lookup16<BITS>(table, codes16<BITS>(row, i));
+    return lookup16<BITS>(table, unpack16<BITS>(row, i));
   }
 };
 #elif KVK_AVX2
