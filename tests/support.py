@@ -6,7 +6,7 @@ import torch
 
 from kvcache.codecs.ints import AffineRowsCodec, Int8Codec
 from kvcache.codecs.turbo_codec import TurboCodec
-from kvcache.kernels.attend import int16_steps, turbo16_keys, turbo_steps
+from kvcache.kernels.attend import int16_steps, turbo16_keys, turbo_steps, vector_kernels
 
 
 def render(mask: torch.Tensor) -> list[str]:
@@ -33,12 +33,13 @@ def stored_keys(cache, layer: int) -> torch.Tensor:
 
 def scoring_query(cache, q: torch.Tensor, scale: float) -> torch.Tensor:
     """The query ``cache.attention`` scores with: with 4-bit affine keys (int4) and int8 keys
-    the kernels meet the codes in int16 products, every row rounded to int16 steps
+    the vector kernels meet the codes in int16 products, every row rounded to int16 steps
     (``int16_steps``); with 2-5 bit turbo keys after RoPE every row is rounded so in the
-    codes' rotated domain (``turbo_steps``); the query as given otherwise."""
+    codes' rotated domain (``turbo_steps``); the query as given otherwise (and for int8 and
+    int4 keys by a build of plain loops: ``vector_kernels``)."""
     codec = cache.key_codec
     if isinstance(codec, Int8Codec) or (isinstance(codec, AffineRowsCodec) and codec.bits == 4):
-        return int16_steps(q.float(), scale)
+        return int16_steps(q.float(), scale) if vector_kernels() else q
     if isinstance(codec, TurboCodec):
         keys, _ = cache.storage.layouts(0)
         if turbo16_keys(keys, cache.key_rope == "pre", q.shape[-1]):

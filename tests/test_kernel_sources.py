@@ -127,3 +127,29 @@ def test_a_source_that_does_not_compile_is_reported(tmp_path: Path):
     bad.write_text("#if defined(__AVX512F__)\nint f() { return undefined_name; }\n#endif\n")
     assert compile_errors(bad, "x86-64-v3") == ""
     assert "undefined_name" in compile_errors(bad, "sapphirerapids")
+
+
+def test_a_build_for_another_target_is_named_apart(monkeypatch: pytest.MonkeyPatch):
+    """``KVCACHE_KERNEL_MARCH`` builds for another CPU than this one, into a folder of its own
+    (a build for plain loops never answers for the native one)."""
+    monkeypatch.delenv("KVCACHE_KERNEL_MARCH", raising=False)
+    native = build.build_dir()
+    assert "-march=native" in build.flags()
+    monkeypatch.setenv("KVCACHE_KERNEL_MARCH", "x86-64")
+    assert "-march=x86-64" in build.flags() and "-march=native" not in build.flags()
+    assert build.build_dir() != native
+    monkeypatch.setenv("KVCACHE_KERNEL_MARCH", " ")
+    assert build.build_dir() == native
+
+
+def test_the_build_reports_the_paths_its_target_takes():
+    """``isa()`` (which decides whether the tests' reference rounds the query as the vector
+    paths do) says what the build's target has: AVX-512 with BW and VL, AVX2 with FMA and
+    F16C, or neither (csrc/simd.h's KVK_AVX512 and KVK_AVX2)."""
+    from kvcache.kernels.build import extension
+
+    march = os.environ.get("KVCACHE_KERNEL_MARCH", "").strip() or "native"
+    have = predefined(march)
+    avx2 = {"__AVX2__", "__FMA__", "__F16C__"} <= have
+    avx512 = avx2 and {"__AVX512F__", "__AVX512BW__", "__AVX512VL__"} <= have
+    assert extension().isa() == ("avx512" if avx512 else "avx2" if avx2 else "none")

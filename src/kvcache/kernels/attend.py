@@ -19,6 +19,8 @@ levels lie on int16 steps (codecs/codebook.py) and the kernel looks them up as i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcache.codecs.base import AFFINE_ROWS, INT8, TURBO, Layout
@@ -56,10 +58,19 @@ def layout_args(layout: Layout, pre_rope: bool) -> tuple[list[torch.Tensor], lis
     return tensors, ints
 
 
+@functools.cache
+def vector_kernels() -> bool:
+    """Whether the kernels were built with their vector paths (AVX2 or AVX-512), the only
+    ones that meet int8 and 4-bit affine keys in int16 products: plain loops (a CPU without
+    AVX2, or not x86) score those keys decoded, with the query as given (turbo keys of 2-5
+    bits meet a query in int16 steps on every path: csrc/attention.cpp, turbo_query16)."""
+    return extension().isa() != "none"
+
+
 def int16_keys(kind: int, bits: int) -> bool:
     """Whether keys of this codec kind are scored against queries in int16 steps (4-bit
     affine codes and int8 codes: csrc/tiles.h, qk4_rows and qk8_rows)."""
-    return kind == INT8 or (kind == AFFINE_ROWS and bits == 4)
+    return (kind == INT8 or (kind == AFFINE_ROWS and bits == 4)) and vector_kernels()
 
 
 def int16_steps(q: torch.Tensor, scale: float) -> torch.Tensor:

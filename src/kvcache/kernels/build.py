@@ -1,8 +1,9 @@
 """Build and load the C++ kernels (``csrc/``: attention over the cache, dense attention,
 decode-sized linear layers, row ops of a decode step) with torch's extension builder.
 
-The extension is compiled once per machine (``-O3 -march=native``: AVX2/FMA/F16C where the
-CPU has them, plain loops otherwise) into ``$KVCACHE_KERNEL_DIR`` (default
+The extension is compiled once per machine (``-O3 -march=native``: AVX-512 or AVX2/FMA/F16C
+where the CPU has them, plain loops otherwise; ``$KVCACHE_KERNEL_MARCH`` names another target)
+into ``$KVCACHE_KERNEL_DIR`` (default
 ``~/.cache/kvcache/kernels``), under a name that hashes the sources, their folder, the flags,
 the torch version and the CPU (``-march=native`` code built on one CPU may use instructions
 another lacks: a home folder shared by two machines must not hand one the other's build), so a
@@ -40,6 +41,15 @@ HEADERS = ("matrows.h", "readers.h", "simd.h", "tiles.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 
 
+def flags() -> list[str]:
+    """FLAGS, with ``-march=$KVCACHE_KERNEL_MARCH`` in place of ``-march=native`` where it is
+    set: a build for another CPU than this one (``x86-64-v3`` for any AVX2 CPU, ``x86-64``
+    for plain loops), as for a folder of kernels shared by several machines, or to run the
+    tests through another instruction set's paths."""
+    march = os.environ.get("KVCACHE_KERNEL_MARCH", "").strip()
+    return [f"-march={march}" if march and f == "-march=native" else f for f in FLAGS]
+
+
 def cpu_float32(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is float32 on the CPU, outside autograd: what the kernels that
     stand in for torch ops take (anything else goes to those ops)."""
@@ -75,7 +85,7 @@ def _build_name() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update((_source_dir() / name).read_bytes())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join(flags()).encode())
     # torch's build.ninja names the sources by absolute path: a folder per checkout, or two
     # checkouts of the same sources would rebuild each other's kernels on every load
     h.update(str(_source_dir()).encode())
@@ -112,7 +122,7 @@ def extension() -> ModuleType:
             return load(
                 name=_build_name(),
                 sources=[str(_source_dir() / s) for s in SOURCES],
-                extra_cflags=list(FLAGS),
+                extra_cflags=flags(),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(where),
                 verbose=bool(os.environ.get("KVCACHE_KERNEL_VERBOSE")),

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -714,6 +715,11 @@ int64_t parallel_threads(int64_t n) {
   return std::unique(ran.begin(), ran.end()) - ran.begin();
 }
 
+// The vector paths this build has: "avx512", "avx2" or "none" (plain loops, as on a CPU
+// without AVX2 or not x86). Only the vector paths meet int8 and 4-bit affine keys in int16
+// products of a rounded query (direct_keys); plain loops score decoded keys with the query.
+std::string isa() { return KVK_AVX512 ? "avx512" : KVK_AVX2 ? "avx2" : "none"; }
+
 // linear.cpp
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                        const at::Tensor& residual, const at::Tensor& norm, double eps, bool glu);
@@ -765,4 +771,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_channels", &kvk::encode_channels, "codes of rows against their records' ranges");
   m.def("encode_turbo", &kvk::encode_turbo, "turbo codes and flagged scales of rows, into cells");
   m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
+  m.def("isa", &kvk::isa, "the vector paths of this build: avx512, avx2 or none");
 }
