@@ -31,20 +31,28 @@ inline void weighted_block(const float* p, int64_t S, const float* v, int64_t D,
                            const float* inv, float* const* out) {
 #if KVK_AVX2
   __m256 acc[R][V];
+  KVK_UNROLL
   for (int r = 0; r < R; ++r)
+    KVK_UNROLL
     for (int i = 0; i < V; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < S; ++j) {
     __m256 vv[V];
+    KVK_UNROLL
     for (int i = 0; i < V; ++i) vv[i] = _mm256_loadu_ps(v + j * D + c0 + 8 * i);
+    KVK_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m256 pr = _mm256_broadcast_ss(p + r * S + j);
+      KVK_UNROLL
       for (int i = 0; i < V; ++i) acc[r][i] = _mm256_fmadd_ps(pr, vv[i], acc[r][i]);
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < R; ++r)
+    KVK_UNROLL
     for (int i = 0; i < V; ++i)
       _mm256_storeu_ps(out[r] + c0 + 8 * i, _mm256_mul_ps(acc[r][i], _mm256_set1_ps(inv[r])));
 #else
+  KVK_UNROLL
   for (int r = 0; r < R; ++r)
     for (int64_t c = c0; c < c0 + 8 * V; ++c) {
       float a = 0.0f;

@@ -589,22 +589,28 @@ template <int NR, int NC>
 inline void centre_rope_cells(int D, const float* ab, const TurboRows& t, int j, float* sc) {
   const int half = D / 2;
   __m256 acc[NR][NC];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int i = 0; i < half; i += 8) {
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c) {
       const __m256 cv = _mm256_loadu_ps(t.cs[j + c] + i), sv = _mm256_loadu_ps(t.sn[j + c] + i);
+      KVK_UNROLL
       for (int r = 0; r < NR; ++r) {
         acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + r * D + i), cv, acc[r][c]);
         acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(ab + r * D + half + i), sv, acc[r][c]);
       }
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r) {
     if constexpr (NC == 4) {
       const __m128 add = sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
       _mm_storeu_ps(sc + r * BLK + j, _mm_add_ps(_mm_loadu_ps(sc + r * BLK + j), add));
     } else {
+      KVK_UNROLL
       for (int c = 0; c < NC; ++c) sc[r * BLK + j + c] += hsum8(acc[r][c]);
     }
   }
@@ -623,20 +629,28 @@ inline void centre_offsets_cols(int D, const float* w, const float* offsets, int
                                 float* sc) {
   constexpr int U = 4 / NC;
   __m256 acc[NR][NC][U];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c)
+      KVK_UNROLL
       for (int u = 0; u < U; ++u) acc[r][c][u] = _mm256_setzero_ps();
   for (int i = 0; i < D; i += U) {
+    KVK_UNROLL
     for (int u = 0; u < U; ++u) {
       const float* row = offsets + (int64_t)(i + u) * BLK + o;
+      KVK_UNROLL
       for (int r = 0; r < NR; ++r) {
         const __m256 b = _mm256_set1_ps(w[r * kMaxDim + i + u]);
+        KVK_UNROLL
         for (int c = 0; c < NC; ++c)
           acc[r][c][u] = _mm256_fmadd_ps(b, _mm256_loadu_ps(row + 8 * c), acc[r][c][u]);
       }
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c) {
       __m256 v = acc[r][c][0];
       for (int u = 1; u < U; ++u) v = _mm256_add_ps(v, acc[r][c][u]);
@@ -657,6 +671,7 @@ inline void centre_rope_run(int D, const float* ab, const TurboRows& t, int j0, 
   const int half = D / 2;
   alignas(32) float w[NR * kMaxDim];
   const float *c0 = t.cs[j0], *s0 = t.sn[j0];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < half; ++i) {
       const float a = ab[r * D + i], b = ab[r * D + half + i];
@@ -712,20 +727,26 @@ inline void qk_turbo_cells(const float* qrot, int D, const TurboRows& t, int j, 
                            Steps& st) {
   const int half = D / 2, width = D * BITS / 8;
   TV::V acc[NR][NC];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c) acc[r][c] = TV::zero();
   for (int i = 0; i < half; i += TV::W) {
     if (i % 16 == 0) st.step();
     for (int part = i; part < D; part += half) {
       TV::V qv[NR];
+      KVK_UNROLL
       for (int r = 0; r < NR; ++r) qv[r] = TV::load(qrot + r * D + part);
+      KVK_UNROLL
       for (int c = 0; c < NC; ++c) {
         const TV::V lv = TV::mul(TV::levels<BITS>(t.table, t.rows[j + c], part, width),
                                  TV::set1(t.s[j + c]));
+        KVK_UNROLL
         for (int r = 0; r < NR; ++r) acc[r][c] = TV::fma(qv[r], lv, acc[r][c]);
       }
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r) store_sums<TV, NC>(acc[r], sc + r * BLK + j);
 }
 
@@ -742,11 +763,14 @@ inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int
   [[maybe_unused]] const int width = D * BITS / 8;  // (the 16-channel path reads groups)
   constexpr int every = 64 / (kPvRegs * TV::W) * 2 - 1;  // 64 channels: every other cell
   TV::V a[NR][kPvRegs];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int k = 0; k < kPvRegs; ++k) a[r][k] = TV::load(acc + r * D + c0 + TV::W * k);
   for (int j = ja; j < jb; ++j) {
     if ((j & every) == 0) st.step();
     TV::V pv[NR], lv[kPvRegs];
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r) pv[r] = TV::set1(p[r * BLK + j]);
 #if !KVK_AVX512
     if constexpr (BITS >= 2 && BITS <= 5) {  // the 16 channels: one group of codes16
@@ -756,13 +780,18 @@ inline void pv_turbo_cols(const float* p, int D, const TurboRows& t, int ja, int
     } else
 #endif
     {
+      KVK_UNROLL
       for (int k = 0; k < kPvRegs; ++k)
         lv[k] = TV::levels<BITS>(t.table, t.rows[j], c0 + TV::W * k, width);
     }
+    KVK_UNROLL
     for (int k = 0; k < kPvRegs; ++k)
+      KVK_UNROLL
       for (int r = 0; r < NR; ++r) a[r][k] = TV::fma(pv[r], lv[k], a[r][k]);
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int k = 0; k < kPvRegs; ++k) TV::store(acc + r * D + c0 + TV::W * k, a[r][k]);
 }
 constexpr int kPvCols = kPvRegs * TurboVec::W;
@@ -834,18 +863,24 @@ template <int B, int NR, int NC>
 inline void qk_turbo16_cells(const int16_t* q16, const float* qstep, int D, const TurboRows& t,
                              const __m256i lut[4], int j, float* sc, Steps& st) {
   __m256 f[NR][NC];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c) f[r][c] = _mm256_setzero_ps();
   for (int b0 = 0; b0 < D; b0 += 64) {
     st.step();
     __m256i acc[NR][NC];
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r)
+      KVK_UNROLL
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_si256();
     for (int k = 0; k < 2; ++k) {
+      KVK_UNROLL
       for (int c = 0; c < NC; ++c) {
         const uint8_t* block = t.rows[j + c] + b0 / 64 * 8 * B;
         __m256i la, lb;
         levels32<B>(lut, codes16<B>(block, 2 * k), codes16<B>(block, 2 * k + 1), &la, &lb);
+        KVK_UNROLL
         for (int r = 0; r < NR; ++r) {
           const __m256i* qv = reinterpret_cast<const __m256i*>(q16 + r * D + b0 + 32 * k);
           acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(_mm256_loadu_si256(qv), la));
@@ -854,10 +889,14 @@ inline void qk_turbo16_cells(const int16_t* q16, const float* qstep, int D, cons
         }
       }
     }
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r)
+      KVK_UNROLL
       for (int c = 0; c < NC; ++c) f[r][c] = _mm256_add_ps(f[r][c], _mm256_cvtepi32_ps(acc[r][c]));
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c)
       sc[r * BLK + j + c] = hsum8(f[r][c]) * (qstep[r] * t.lstep * t.s[j + c]);
 }

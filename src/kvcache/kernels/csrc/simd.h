@@ -20,6 +20,11 @@
 #define KVK_AVX512 0
 #endif
 
+// Unroll a loop over a template constant completely, before the compiler decides what lives in
+// memory: a register block (acc[NR][NC]) indexed by such loops is otherwise kept on the stack
+// by GCC 12, a store and a reload per FMA chain on every cell
+#define KVK_UNROLL _Pragma("GCC unroll 16")
+
 namespace kvk {
 
 // fp16 bits -> float (IEEE half; subnormals and inf/nan kept)

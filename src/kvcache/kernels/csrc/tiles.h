@@ -171,6 +171,7 @@ inline void store_sums(const typename V::V* acc, float* out) {
   if constexpr (NC == 4) {
     _mm_storeu_ps(out, V::sums4(acc[0], acc[1], acc[2], acc[3]));
   } else {
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c) out[c] = V::sum(acc[c]);
   }
 }
@@ -200,17 +201,24 @@ template <int NR, int NC, typename R>
 inline void qk_cells(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
                      float* sc) {
   __m256 acc[NR][NC];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int i = 0; i < NC; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int c = c0; c < c1; c += 8) {
     __m256 kv[NC];
+    KVK_UNROLL
     for (int i = 0; i < NC; ++i) kv[i] = R::load8(k[j + i], c);
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r) {
       const __m256 qv = _mm256_loadu_ps(q + r * D + c);
+      KVK_UNROLL
       for (int i = 0; i < NC; ++i) acc[r][i] = _mm256_fmadd_ps(qv, kv[i], acc[r][i]);
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int i = 0; i < NC; ++i) sc[r * BLK + j + i] = hsum8(acc[r][i]);
 }
 
@@ -221,11 +229,13 @@ template <int NR, typename R>
 inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int D, int c0, int c1,
                       float* sc, Steps& st) {
   __m256 acc[NR][4];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int c = c0; c < c1; c += 8) {
     st.step();
     __m256 qv[NR];
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r) {
       qv[r] = _mm256_loadu_ps(q + r * D + c);
       pin(qv[r]);
@@ -233,9 +243,11 @@ inline void qk_cells4(const float* q, const typename R::T* const* k, int j, int 
     for (int i = 0; i < 4; ++i) {
       __m256 kv = R::load8(k[j + i], c);
       pin(kv);
+      KVK_UNROLL
       for (int r = 0; r < NR; ++r) acc[r][i] = _mm256_fmadd_ps(qv[r], kv, acc[r][i]);
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
     _mm_storeu_ps(sc + r * BLK + j, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
@@ -257,6 +269,7 @@ inline void qk_tile(const float* q, const typename R::T* const* k, int ja, int j
 #else
   (void)ls;
   for (; j < jb; ++j)
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r) {
       float s = 0.f;
       for (int c = c0; c < c1; ++c) s += q[r * D + c] * R::at(k[j], c);
@@ -273,19 +286,26 @@ inline void pv_cols(const float* p, const typename R::T* const* v, int ja, int j
                     float* acc, LineStream* ls) {
   Steps st(ls);
   __m256 a[NR][NV];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int x = 0; x < NV; ++x) a[r][x] = _mm256_loadu_ps(acc + r * D + c0 + 8 * x);
   for (int j = ja; j < jb; ++j) {
     st.step();
     __m256 pr[NR];
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r) pr[r] = _mm256_broadcast_ss(p + r * BLK + j);
+    KVK_UNROLL
     for (int x = 0; x < NV; ++x) {
       __m256 vx = R::load8(v[j], c0 + 8 * x);
       pin(vx);  // one load for the NR rows
+      KVK_UNROLL
       for (int r = 0; r < NR; ++r) a[r][x] = _mm256_fmadd_ps(pr[r], vx, a[r][x]);
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int x = 0; x < NV; ++x) _mm256_storeu_ps(acc + r * D + c0 + 8 * x, a[r][x]);
 }
 #endif
@@ -306,6 +326,7 @@ inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int j
 #else
   (void)ls;
   for (int j = ja; j < jb; ++j)
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r)
       for (int c = c0; c < c1; ++c) acc[r * D + c] += p[r * BLK + j] * R::at(v[j], c);
 #endif
@@ -370,16 +391,20 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
                           LineStream* ls) {
   const int half = D / 2;
   typename V::V acc[NR][NC];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c) acc[r][c] = V::zero();
   for (int i = 0; i < half; i += V::W) {
     if (ls != nullptr)  // a step per 8 channels, as many per cell at either width (the
+      KVK_UNROLL
       for (int s = 0; s < V::W / 8; ++s) ls->step();  // loop is short of registers for Steps)
     typename V::V a1{}, b1{}, a2{}, b2{};
     if constexpr (SHARED) {
       a1 = V::load(t.a[j] + i), b1 = V::load(t.b[j] + i);
       a2 = V::load(t.a[j] + half + i), b2 = V::load(t.b[j] + half + i);
     }
+    KVK_UNROLL
     for (int c = 0; c < NC; ++c) {
       typename V::V r1, r2;
       if constexpr (SHARED)
@@ -388,12 +413,14 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
       else
         kivi_rotated<V>(t.rows[j + c], t.a[j + c], t.b[j + c], t.cs[j + c], t.sn[j + c], i,
                         half, &r1, &r2);
+      KVK_UNROLL
       for (int r = 0; r < NR; ++r) {
         acc[r][c] = V::fma(V::load(q + r * D + i), r1, acc[r][c]);
         acc[r][c] = V::fma(V::load(q + r * D + half + i), r2, acc[r][c]);
       }
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r) store_sums<V, NC>(acc[r], sc + r * BLK + j);
 }
 
@@ -529,10 +556,12 @@ inline void qk4_cells4(const int16_t* q16, const float* qscale, int D,
     __m256i xa[4], xb[4];
     split_nibbles64(k[j + 2 * p] + b / 2, xa);
     split_nibbles64(k[j + 2 * p + 1] + b / 2, xb);
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r)
       h[p][r] = _mm256_hadd_epi32(dot16x4(xa, q16 + r * D + b), dot16x4(xb, q16 + r * D + b));
   }
   const __m128 sa = _mm_loadu_ps(s0 + j), sb = _mm_loadu_ps(s1 + j);
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r) {
     // lane 0: channels b .. b + 31 of cells j .. j + 3; lane 1: channels b + 32 .. b + 63
     const __m256 f = _mm256_cvtepi32_ps(_mm256_hadd_epi32(h[0][r], h[1][r]));
@@ -548,6 +577,7 @@ inline void qk4_cell(const int16_t* q16, const float* qscale, int D, const uint8
                      int j, int b, const float* s0, const float* s1, bool first, float* sc) {
   __m256i x[4];
   split_nibbles64(k[j] + b / 2, x);
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r) {
     __m256i t = dot16x4(x, q16 + r * D + b);
     t = _mm256_hadd_epi32(t, t);
@@ -599,17 +629,23 @@ template <int NR, int NC>
 inline void qk8_cells(const int16_t* q16, const float* qscale, int D, const int8_t* const* k,
                       int j, float* sc, Steps& st) {
   __m256i acc[NR][NC];
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r)
+    KVK_UNROLL
     for (int i = 0; i < NC; ++i) acc[r][i] = _mm256_setzero_si256();
   for (int c = 0; c < D; c += 16) {
     st.step();
     __m256i qv[NR];
+    KVK_UNROLL
     for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_si256((const __m256i*)(q16 + r * D + c));
+    KVK_UNROLL
     for (int i = 0; i < NC; ++i) {
       const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(k[j + i] + c)));
+      KVK_UNROLL
       for (int r = 0; r < NR; ++r) acc[r][i] = dpwssd(acc[r][i], x, qv[r]);
     }
   }
+  KVK_UNROLL
   for (int r = 0; r < NR; ++r) {
     if constexpr (NC == 4) {
       const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]),
