@@ -3,11 +3,11 @@ decode-sized linear layers, row ops of a decode step) with torch's extension bui
 
 The extension is compiled once per machine (``-O3 -march=native``: AVX-512 or AVX2/FMA/F16C
 where the CPU has them, plain loops otherwise; ``$KVCACHE_KERNEL_MARCH`` names another target)
-into ``$KVCACHE_KERNEL_DIR`` (default
-``~/.cache/kvcache/kernels``), under a name that hashes the sources, their folder, the flags,
-the torch version and the CPU (``-march=native`` code built on one CPU may use instructions
-another lacks: a home folder shared by two machines must not hand one the other's build), so a
-changed source, another checkout, another torch or another CPU builds anew.
+into ``$KVCACHE_KERNEL_DIR`` (default ``~/.cache/kvcache/kernels``), under a name that hashes
+the sources, their folder, the flags, the torch version and the CPU (``-march=native`` code
+built on one CPU may use instructions another lacks: a home folder shared by two machines must
+not hand one the other's build), so a changed source, another checkout, another torch or
+another CPU builds anew.
 ``scripts/setup.sh`` builds it (``python -m kvcache.kernels``, on every setup: a no-op when
 built); otherwise a cache made for the CPU does (``CausalCache``: a few minutes, said on
 stderr), before the first forward, so that no timed step (a prefill's tokens/s) includes it.

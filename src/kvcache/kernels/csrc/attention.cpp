@@ -19,8 +19,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <string>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "readers.h"
