@@ -57,19 +57,24 @@ def predefined(march: str) -> set[str]:
     return {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
 
 
+def own_march() -> str:
+    """The target of this machine's build (build.flags())."""
+    return os.environ.get("KVCACHE_KERNEL_MARCH", "").strip() or "native"
+
+
 def jobs() -> list[tuple[Path, str]]:
     """(source, target) for each source whose paths depend on the instruction set and each
     target that takes another set of its paths than the others listed before it and than this
     machine's own build (which the other tests already compile): two targets that define the
     same macros of those the source tests compile the same code."""
     folder = Path(build.__file__).resolve().parent / "csrc"
-    defined = {m: predefined(m) for m in ("native", *TARGETS)}
+    defined = {m: predefined(m) for m in (own_march(), *TARGETS)}
     out = []
     for source in (folder / s for s in build.SOURCES):
         tested = features_tested_by(source)
         if not tested:
             continue
-        seen = {frozenset(tested & defined["native"])}
+        seen = {frozenset(tested & defined[own_march()])}
         for march in TARGETS:
             paths = frozenset(tested & defined[march])
             if paths not in seen:
@@ -109,7 +114,7 @@ def test_targets_that_define_the_same_tested_macros_are_compiled_once():
     """readers.cpp tests the VNNI macros (Ice Lake and Sapphire Rapids differ there);
     dense.cpp does not (one AVX-512 target for it); none repeats this machine's own set."""
     todo = jobs()
-    native = predefined("native")
+    native = predefined(own_march())
     for source in {s for s, _ in todo}:
         keys = [
             frozenset(features_tested_by(source) & predefined(m)) for s, m in todo if s == source
@@ -148,8 +153,7 @@ def test_the_build_reports_the_paths_its_target_takes():
     F16C, or neither (csrc/simd.h's KVK_AVX512 and KVK_AVX2)."""
     from kvcache.kernels.build import extension
 
-    march = os.environ.get("KVCACHE_KERNEL_MARCH", "").strip() or "native"
-    have = predefined(march)
+    have = predefined(own_march())
     avx2 = {"__AVX2__", "__FMA__", "__F16C__"} <= have
     avx512 = avx2 and {"__AVX512F__", "__AVX512BW__", "__AVX512VL__"} <= have
     assert extension().isa() == ("avx512" if avx512 else "avx2" if avx2 else "none")
