@@ -1,8 +1,8 @@
 """The kernels compile for every instruction set they have a path for, not only this CPU's.
 
-They are built with ``-march=native``, so a machine compiles only its own paths: after weeks
-on an AVX2-only VM a change broke the AVX-512 build (an overload picked by the argument's
-type: ``codes16`` of a 256-bit block won over the 512-bit unpacker), and the README's commands
+They are built with ``-march=native``, so a machine compiles only its own paths: after days on
+an AVX2-only VM a change broke the AVX-512 build (an overload picked by the argument's type:
+``codes16`` of a 256-bit block won over the 512-bit unpacker), and the README's commands
 failed on the Sapphire Rapids-class machines this project runs on, with every test passing on
 that VM (and the plain-loop build, for CPUs without AVX2, had not compiled for longer). So each
 source whose code depends on the instruction set is compiled (syntax and template
@@ -57,24 +57,19 @@ def predefined(march: str) -> set[str]:
     return {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
 
 
-def own_march() -> str:
-    """The target of this machine's build (build.flags())."""
-    return os.environ.get("KVCACHE_KERNEL_MARCH", "").strip() or "native"
-
-
 def jobs() -> list[tuple[Path, str]]:
     """(source, target) for each source whose paths depend on the instruction set and each
     target that takes another set of its paths than the others listed before it and than this
     machine's own build (which the other tests already compile): two targets that define the
     same macros of those the source tests compile the same code."""
     folder = Path(build.__file__).resolve().parent / "csrc"
-    defined = {m: predefined(m) for m in (own_march(), *TARGETS)}
+    defined = {m: predefined(m) for m in (build.march(), *TARGETS)}
     out = []
     for source in (folder / s for s in build.SOURCES):
         tested = features_tested_by(source)
         if not tested:
             continue
-        seen = {frozenset(tested & defined[own_march()])}
+        seen = {frozenset(tested & defined[build.march()])}
         for march in TARGETS:
             paths = frozenset(tested & defined[march])
             if paths not in seen:
@@ -85,10 +80,13 @@ def jobs() -> list[tuple[Path, str]]:
 
 def compile_errors(source: Path, march: str) -> str:
     """g++'s errors for ``source`` built as build.py builds it, for ``march``; "" if none."""
-    assert "-march=native" in build.FLAGS
-    flags = [f"-march={march}" if f == "-march=native" else f for f in build.FLAGS]
     includes = [*include_paths(), sysconfig.get_paths()["include"]]
-    cmd = ["g++", "-fsyntax-only", *flags, "-DTORCH_EXTENSION_NAME=kvcache_kernels_check"]
+    cmd = [
+        "g++",
+        "-fsyntax-only",
+        *build.flags(march),
+        "-DTORCH_EXTENSION_NAME=kvcache_kernels_check",
+    ]
     cmd += [arg for p in includes for arg in ("-isystem", p)]
     done = subprocess.run([*cmd, str(source)], capture_output=True, text=True, check=False)
     return "" if done.returncode == 0 else done.stderr
@@ -114,7 +112,7 @@ def test_targets_that_define_the_same_tested_macros_are_compiled_once():
     """readers.cpp tests the VNNI macros (Ice Lake and Sapphire Rapids differ there);
     dense.cpp does not (one AVX-512 target for it); none repeats this machine's own set."""
     todo = jobs()
-    native = predefined(own_march())
+    native = predefined(build.march())
     for source in {s for s, _ in todo}:
         keys = [
             frozenset(features_tested_by(source) & predefined(m)) for s, m in todo if s == source
@@ -153,7 +151,7 @@ def test_the_build_reports_the_paths_its_target_takes():
     F16C, or neither (csrc/simd.h's KVK_AVX512 and KVK_AVX2)."""
     from kvcache.kernels.build import extension
 
-    have = predefined(own_march())
+    have = predefined(build.march())
     avx2 = {"__AVX2__", "__FMA__", "__F16C__"} <= have
     avx512 = avx2 and {"__AVX512F__", "__AVX512BW__", "__AVX512VL__"} <= have
     assert extension().isa() == ("avx512" if avx512 else "avx2" if avx2 else "none")

@@ -41,13 +41,18 @@ HEADERS = ("matrows.h", "readers.h", "simd.h", "tiles.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 
 
-def flags() -> list[str]:
-    """FLAGS, with ``-march=$KVCACHE_KERNEL_MARCH`` in place of ``-march=native`` where it is
-    set: a build for another CPU than this one (``x86-64-v3`` for any AVX2 CPU, ``x86-64``
-    for plain loops), as for a folder of kernels shared by several machines, or to run the
-    tests through another instruction set's paths."""
-    march = os.environ.get("KVCACHE_KERNEL_MARCH", "").strip()
-    return [f"-march={march}" if march and f == "-march=native" else f for f in FLAGS]
+def march() -> str:
+    """The ``-march`` target of the build: ``$KVCACHE_KERNEL_MARCH`` where it is set, for
+    another CPU than this one (``x86-64-v3`` for any AVX2 CPU, ``x86-64`` for plain loops), as
+    for a folder of kernels shared by several machines, or to run the tests through another
+    instruction set's paths; else ``native``."""
+    return os.environ.get("KVCACHE_KERNEL_MARCH", "").strip() or "native"
+
+
+def flags(target: str | None = None) -> list[str]:
+    """FLAGS for ``target`` (default ``march()``) in place of ``-march=native``."""
+    target = target or march()
+    return [f"-march={target}" if f == "-march=native" else f for f in FLAGS]
 
 
 def cpu_float32(*tensors: torch.Tensor) -> bool:
