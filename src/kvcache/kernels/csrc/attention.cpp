@@ -66,7 +66,8 @@ struct Scratch {
 };
 
 // How a tile's keys or values are read when not decoded into a tile first (see attend_item).
-enum class Direct { NONE, INT8, AFFINE4, KIVI4, TURBO, HALF };
+// (HALF_ROPE: fp16 keys stored before RoPE, rotated in registers as they are scored)
+enum class Direct { NONE, INT8, AFFINE4, KIVI4, TURBO, HALF, HALF_ROPE };
 
 // 4-bit affine codes read as they are: groups of a multiple of `step` channels
 bool affine4_direct(const Reader& r, int64_t step) {
@@ -81,7 +82,7 @@ Direct direct_keys(const Reader& kr, const int32_t* cells, int n) {
   if (!KVK_AVX2) return Direct::NONE;
   if (kr.kind == AFFINE_CHANNELS && kr.bits == 4 && kr.pre_rope && all_codes(kr, cells, n))
     return Direct::KIVI4;
-  if (kr.pre_rope) return Direct::NONE;
+  if (kr.pre_rope) return all_half(kr, cells, n) ? Direct::HALF_ROPE : Direct::NONE;
   if (all_half(kr, cells, n)) return Direct::HALF;
   if (kr.kind == INT8) return all_codes(kr, cells, n) ? Direct::INT8 : Direct::NONE;
   if (affine4_keys_direct(kr) && all_codes(kr, cells, n)) return Direct::AFFINE4;
@@ -269,7 +270,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
       ls = &w.stream;
     }
     // Rows read as stored, without a decoded tile: fp16 rows (fp16 storage or the recent
-    // window; converted as loaded), and when every row of the tile is in the codes: int8 keys
+    // window; converted as loaded, keys stored before RoPE rotated in registers as they are
+    // scored), and when every row of the tile is in the codes: int8 keys
     // after RoPE (scores times the key scales), 4-bit affine keys after RoPE (affine4_keys),
     // 4-bit KIVI keys before RoPE (decoded and rotated in registers as they are scored),
     // int8 values (weights times the value scales), 4-bit affine values (weights times each
@@ -285,6 +287,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
         half_rows(kr, h, cells, a, b, w.khalf.data());
       else if (kd == Direct::KIVI4)
         kivi4_keys(kr, h, cells, pos, a, b, rope, w.ranges.data(), w.kivi);
+      else if (kd == Direct::HALF_ROPE)
+        rope_half_keys(kr, h, cells, pos, a, b, rope, w.kivi);
       else if (kd == Direct::TURBO)
         turbo_keys(kr, h, cells, pos, a, b, rope, w.q.data() + h * R * D, (int)R, w.turbo);
       else
@@ -301,9 +305,10 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
 #endif
           for (int64_t g = 0; g < G; ++g)
             mul_rows(w.kscale.data() + ja, sc0 + g * BLK + ja, jb - ja);
-        } else if (kd == Direct::KIVI4) {
+        } else if (kd == Direct::KIVI4 || kd == Direct::HALF_ROPE) {
 #if KVK_AVX2
-          qk_kivi_rows(w.q.data() + r0 * D, (int)G, w.kivi, ja, jb, (int)D, sc0, ls);
+          qk_kivi_rows(w.q.data() + r0 * D, (int)G, w.kivi, ja, jb, (int)D, sc0, ls,
+                       kd == Direct::HALF_ROPE);
 #endif
         } else if (kd == Direct::TURBO) {
           if (KVK_AVX2 && turbo_keys16(kr) && w.turbo.exact16)

@@ -1350,6 +1350,13 @@ void kivi4_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t*
   }
 }
 
+void rope_half_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
+                    int b, const Rope& rope, KiviKeys& t) {
+  TORCH_CHECK(r.pre_rope, "kvcache kernel: rope_half_keys of keys stored after RoPE");
+  half_rows(r, h, cells, a, b, t.half);
+  for (int j = a; j < b; ++j) std::tie(t.cs[j], t.sn[j]) = rope_rows(rope, pos[j], r.D);
+}
+
 void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, int b,
                        const float* q, int rows, float* dots, float* sc) {
   Record centre;

@@ -116,6 +116,12 @@ void affine4_rows(const Reader& r, int64_t h, const int32_t* cells, int a, int b
 void kivi4_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
                 int b, const Rope& rope, float* ranges, KiviKeys& t);
 
+// Keys stored before RoPE whose rows are fp16 (a tile of window rows, or fp16 storage):
+// t.half[j] -> the row of head h of cells[j], t.cs / t.sn its position's cos / sin rows, for
+// j in [a, b) (all_half); scored rotated in registers (qk_kivi_rows with half_rows)
+void rope_half_keys(const Reader& r, int64_t h, const int32_t* cells, const int32_t* pos, int a,
+                    int b, const Rope& rope, KiviKeys& t);
+
 // ---- turbo keys after RoPE, scored from their codes ------------------------------------
 // A key row decodes to k = s * fwht(L[codes]) * signs / sqrt(D) + centre (L: the codebook
 // levels at unit scale, s: the row's norm), so <q, k> = s * <qrot, L[codes]> + <q, centre>

@@ -156,6 +156,7 @@ struct Vec8 {
   static V nibbles(const uint8_t* row, int64_t c) {
     return _mm256_cvtepi32_ps(nibbles8(row, c));
   }
+  static V halves(const uint16_t* row, int64_t c) { return HalfRows::load8(row, (int)c); }
   static __m128 sums4(V a0, V a1, V a2, V a3) { return kvk::sums4(a0, a1, a2, a3); }
   static float sum(V a) { return hsum8(a); }
 };
@@ -350,17 +351,29 @@ inline void qk_rows(const float* q, int rows, const typename R::T* const* k, int
   }
 }
 
-// ---- KIVI keys stored before RoPE, scored as they are decoded -------------------------------
-// 4-bit codes with a scale and minimum per channel (of the cell's group record), rotated by
-// the cell's position: each 8 + 8 channel pair (i, i + D/2) of a key row is decoded and rotated
-// in registers and meets the query rows at once, so the rotated key is never stored.
+// ---- Keys stored before RoPE, scored as they are decoded ------------------------------------
+// KIVI's 4-bit codes with a scale and minimum per channel (of the cell's group record), or the
+// fp16 rows of the recent window, rotated by the cell's position: each 8 + 8 channel pair
+// (i, i + D/2) of a key row is decoded and rotated in registers and meets the query rows at
+// once, so the rotated key is never stored.
 struct KiviKeys {
   const uint8_t* rows[BLK];       // packed codes (channel 2i in byte i's low nibble)
+  const uint16_t* half[BLK];      // or fp16 rows (a tile of window rows: rows[] unused)
   const float *a[BLK], *b[BLK];   // the record's channel scale and minimum [D], as floats
   const float *cs[BLK], *sn[BLK];  // the cos and sin rows [D/2] of the cell's position
 };
 
 #if KVK_AVX2
+// RoPE of a key's channels [i, i + W) (x1 -> *r1) and [i + D/2, ...) (x2 -> *r2) by the cos /
+// sin rows of its position: the operations of readers.cpp's apply_rope, in its order
+template <typename V>
+inline void rope_pair(typename V::V x1, typename V::V x2, const float* cs, const float* sn,
+                      int64_t i, typename V::V* r1, typename V::V* r2) {
+  const auto cv = V::load(cs + i), sv = V::load(sn + i);
+  *r1 = V::fnma(x2, sv, V::mul(x1, cv));
+  *r2 = V::fma(x1, sv, V::mul(x2, cv));
+}
+
 // A KIVI key row's channels [i, i + W) (*r1) and [i + D/2, ...) (*r2): codes times the channel
 // scales a plus the minimums b, rotated by the cos / sin rows (the decoder's one pass in
 // readers.cpp and the fused scores below)
@@ -371,9 +384,7 @@ inline void kivi_rotated(const uint8_t* row, typename V::V a1, typename V::V b1,
                          int64_t half, typename V::V* r1, typename V::V* r2) {
   const auto x1 = V::fma(V::nibbles(row, i), a1, b1);
   const auto x2 = V::fma(V::nibbles(row, half + i), a2, b2);
-  const auto cv = V::load(cs + i), sv = V::load(sn + i);
-  *r1 = V::fnma(x2, sv, V::mul(x1, cv));
-  *r2 = V::fma(x1, sv, V::mul(x2, cv));
+  rope_pair<V>(x1, x2, cs, sn, i, r1, r2);
 }
 
 template <typename V>
@@ -385,8 +396,8 @@ inline void kivi_rotated(const uint8_t* row, const float* a, const float* b, con
 }
 
 // Scores of NR <= 3 rows against NC (kCells or 1) cells from j, W channels of each half a step
-// (SHARED: the cells share one record, whose ranges are loaded once a step)
-template <typename V, int NR, int NC, bool SHARED = false>
+// (SHARED: the cells share one record, whose ranges are loaded once a step; HALF: fp16 rows)
+template <typename V, int NR, int NC, bool SHARED = false, bool HALF = false>
 inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float* sc,
                           LineStream* ls) {
   const int half = D / 2;
@@ -407,7 +418,10 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
     KVK_UNROLL
     for (int c = 0; c < NC; ++c) {
       typename V::V r1, r2;
-      if constexpr (SHARED)
+      if constexpr (HALF)
+        rope_pair<V>(V::halves(t.half[j + c], i), V::halves(t.half[j + c], half + i),
+                     t.cs[j + c], t.sn[j + c], i, &r1, &r2);
+      else if constexpr (SHARED)
         kivi_rotated<V>(t.rows[j + c], a1, b1, a2, b2, t.cs[j + c], t.sn[j + c], i, half, &r1,
                         &r2);
       else
@@ -425,22 +439,28 @@ inline void qk_kivi_cells(const float* q, const KiviKeys& t, int j, int D, float
 }
 
 // qk_kivi_cells for nr (1 to 3) rows
-template <typename V, int NC, bool SHARED = false>
+template <typename V, int NC, bool SHARED = false, bool HALF = false>
 inline void qk_kivi_nr(int nr, const float* q, const KiviKeys& t, int j, int D, float* sc,
                        LineStream* ls) {
-  if (nr == 1) qk_kivi_cells<V, 1, NC, SHARED>(q, t, j, D, sc, ls);
-  else if (nr == 2) qk_kivi_cells<V, 2, NC, SHARED>(q, t, j, D, sc, ls);
-  else qk_kivi_cells<V, 3, NC, SHARED>(q, t, j, D, sc, ls);
+  if (nr == 1) qk_kivi_cells<V, 1, NC, SHARED, HALF>(q, t, j, D, sc, ls);
+  else if (nr == 2) qk_kivi_cells<V, 2, NC, SHARED, HALF>(q, t, j, D, sc, ls);
+  else qk_kivi_cells<V, 3, NC, SHARED, HALF>(q, t, j, D, sc, ls);
 }
 
 template <typename V>
 inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
-                         float* sc, LineStream* ls) {
+                         float* sc, LineStream* ls, bool half_rows) {
   for (int r = 0; r < rows; r += 3) {
     const float* qr = q + r * D;
     float* s = sc + r * BLK;
     const int nr = rows - r < 3 ? rows - r : 3;
     int j = ja;
+    if (half_rows) {
+      for (; j + kCells <= jb; j += kCells)
+        qk_kivi_nr<V, kCells, false, true>(nr, qr, t, j, D, s, ls);
+      for (; j < jb; ++j) qk_kivi_nr<V, 1, false, true>(nr, qr, t, j, D, s, ls);
+      continue;
+    }
     for (; j + kCells <= jb; j += kCells) {
       // one record: its ranges loaded once a step (records change once in 64 positions;
       // kivi4_keys hands each new one the next range, so equal ends mean one throughout)
@@ -451,13 +471,14 @@ inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, in
   }
 }
 
-// sc[r * BLK + j] = <q[r], rotated key j> for r < rows, j in [ja, jb) (D a multiple of 16).
+// sc[r * BLK + j] = <q[r], rotated key j> for r < rows, j in [ja, jb) (D a multiple of 16;
+// half_rows: the tile's keys are fp16 rows, t.half, else KIVI codes).
 // 8 channels a step even where the CPU has AVX-512: the 16-wide loop (Vec16) took 1.07-1.14x
 // the time of this one at 16 x 1k and 1.19x at 1 x 7.5k (cache.attention, kivi4, builds taking
 // turns; one thread here issues 512-bit FMAs at ~0.55x the rate of 256-bit ones)
 inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
-                         float* sc, LineStream* ls) {
-  qk_kivi_tile<Vec8>(q, rows, t, ja, jb, D, sc, ls);
+                         float* sc, LineStream* ls, bool half_rows = false) {
+  qk_kivi_tile<Vec8>(q, rows, t, ja, jb, D, sc, ls, half_rows);
 }
 #endif
 
