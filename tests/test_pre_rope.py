@@ -146,3 +146,56 @@ def test_a_rope_passed_as_its_bound_shift_is_the_rotary_shift():
     assert CausalCache(16, shift=rope_like).shift is rope_like
     other = Rope(D, 500.0)
     assert CausalCache(16, shift=other.tables).shift == other.tables  # not a shift: as given
+
+
+def _forward_raw_keys(cache: CausalCache, x: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """Prefill 40 rows of x [n, H, D] (given before RoPE), then decode the rest one at a
+    time, each through ``attention`` with keys rotated by the caller or not; the outputs."""
+    rope = Rope(D, 10000.0)
+    q = 0.5 * torch.flip(x, dims=(0,)).repeat(1, 2, 1)  # [n, 2H, D]: two query heads a KV head
+    outs = []
+    for lo, hi in [(0, 40)] + [(p, p + 1) for p in range(40, x.shape[0])]:
+        cache.start_forward(Batch.single(0, lo, hi - lo))
+        pos = torch.arange(lo, hi)
+        k = rope.shift(0, x[lo:hi], pos) if rotated else x[lo:hi]
+        qr = rope.shift(0, q[lo:hi], pos)
+        outs.append(cache.attention(0, qr, k, x[lo:hi], keys_rotated=rotated))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("spec, key_rope", [("fp32", "pre"), ("fp32", "post"), ("kivi4", "pre")])
+def test_keys_given_before_rope_are_stored_and_attended_as_rotated_ones(spec, key_rope):
+    """``keys_rotated=False`` (a model asking ``key_rope == "pre"`` skips rotating keys the
+    cache would rotate back): a cache storing keys before RoPE holds them exactly as given, one
+    storing them after RoPE rotates them itself, and attention equals that of rotated keys."""
+    rope, x = Rope(D, 10000.0), outlier_rows(300)  # kivi4: beyond its 128-row window
+
+    def cache() -> CausalCache:
+        return CausalCache(320, shift=rope, codec=spec, key_rope=key_rope)
+
+    raw, rotated = cache(), cache()
+    got, want = _forward_raw_keys(raw, x, False), _forward_raw_keys(rotated, x, True)
+    cells = torch.arange(300)
+    stored = raw.storage.read(0, cells)[0]
+    if spec == "fp32":
+        expected = x if key_rope == "pre" else rope.shift(0, x, cells)
+        assert torch.equal(stored, expected)
+        # the rotated keys' round trip through the pre cache moves them by ~1e-7 relative
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    else:  # kivi: the same codes but where a rotation round trip moved a row across a level
+        assert (stored - rotated.storage.read(0, cells)[0]).abs().max() < 0.05
+        assert (got - want).abs().max() < 0.02
+    assert raw.memory_usage_bytes() == rotated.memory_usage_bytes()
+
+
+def test_keys_given_before_rope_need_a_shift_and_a_bool():
+    x = outlier_rows(3)
+    cache = CausalCache(8)
+    cache.start_forward(Batch.single(0, 0, 3))
+    with pytest.raises(InvalidArgumentError, match="keys_rotated"):
+        cache.attention(0, x, x, x, keys_rotated=False)
+    with pytest.raises(InvalidArgumentError, match="keys_rotated"):
+        cache.put(0, x, x, keys_rotated=1)  # type: ignore[arg-type]
+    assert 0 not in cache.storage.layers  # nothing stored by the refused calls
+    cache.put(0, x, x)
+    assert torch.equal(cache.get(0)[0], x)

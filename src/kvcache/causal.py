@@ -277,16 +277,30 @@ class CausalCache:
             rows[r] = False
         fwd.set_causal_rows(rows)
 
-    def put(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store the batch's K/V ([T, kv_heads, head_dim] each) of one layer in its cells."""
+    def put(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, *, keys_rotated: bool = True
+    ) -> None:
+        """Store the batch's K/V ([T, kv_heads, head_dim] each) of one layer in its cells.
+        ``keys_rotated=False``: ``key`` is given before RoPE (a model that asks
+        ``key_rope == "pre"`` then skips rotating keys that the cache would only rotate
+        back); a cache that stores keys after RoPE rotates them by their positions through
+        its ``shift``."""
         fwd = self._forward()
         layer = int_arg("layer", layer)
         check_kv(key, value, len(fwd.positions))
+        if not isinstance(keys_rotated, bool):
+            raise InvalidArgumentError("keys_rotated", keys_rotated, "a bool")
+        if not keys_rotated and self.shift is None:
+            raise InvalidArgumentError(
+                "keys_rotated", keys_rotated, "True: this cache has no shift to rotate keys with"
+            )
         if fwd.reserve:
             self.storage.layer(layer, key, value)  # allocate only: reserve computes nothing
             return
-        if self.key_rope == "pre":
+        if self.key_rope == "pre" and keys_rotated:
             key = self._rotate(layer, key, fwd.negated_positions(), fwd.unrotation())
+        elif self.key_rope == "post" and not keys_rotated:
+            key = self._rotate(layer, key, fwd.positions_tensor(), fwd.rotation())
         self.storage.write(layer, fwd.cells_tensor(), key, value, fwd.seals)
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -315,14 +329,16 @@ class CausalCache:
         v: torch.Tensor,
         *,
         scale: float | None = None,
+        keys_rotated: bool = True,
     ) -> torch.Tensor:
         """Store this layer's ``k``, ``v`` [T, Hkv, D] and attend: out [T, Hq, Dv] in q's
         dtype, each row of ``q`` [T, Hq, D] over its own sequence's visible cells (query head
         hq reads KV head hq // (Hq / Hkv)); ``scale`` defaults to 1/sqrt(D). A row that sees
-        nothing (a reserve forward) gives zeros."""
+        nothing (a reserve forward) gives zeros. ``keys_rotated``: as in :meth:`put` (``q``
+        is always given after RoPE)."""
         fwd = self._forward()
         _check_query(q, k, len(fwd.positions))
-        self.put(layer, k, v)
+        self.put(layer, k, v, keys_rotated=keys_rotated)
         if fwd.reserve:
             return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
         for observer in self._observers:

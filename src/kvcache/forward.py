@@ -78,11 +78,21 @@ class ForwardPlan:
 
     def unrotation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """RoPE tables that un-rotate the batch's keys (a rotary shift only), [T, 1, D]."""
+        return self._tables("unrotation", self.negated_positions)
+
+    def rotation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE tables that rotate the batch's keys to their positions (a rotary shift
+        only), [T, 1, D]."""
+        return self._tables("rotation", self.positions_tensor)
+
+    def _tables(
+        self, key: str, positions: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         shift = self._cache.rotary
         if shift is None:
             return None
         dtype = self._cache.dtype
-        return self._get("unrotation", lambda: shift.tables(self.negated_positions(), dtype))
+        return self._get(key, lambda: shift.tables(positions(), dtype))
 
     # ---- visibility ----------------------------------------------------------------------
     def bounds(self) -> RowBounds:

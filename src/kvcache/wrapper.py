@@ -78,13 +78,14 @@ class WrapperCache:
         v: torch.Tensor,
         *,
         scale: float | None = None,
+        keys_rotated: bool = True,
     ) -> torch.Tensor:
         """The current layer type's cache stores k/v and attends (see CausalCache.attention)."""
         cache = self.underlying
         attention = getattr(cache, "attention", None)
         if attention is None:
             raise NotSupportedError(f"{type(cache).__name__} has no attention(layer, q, k, v)")
-        return attention(layer, q, k, v, scale=scale)
+        return attention(layer, q, k, v, scale=scale, keys_rotated=keys_rotated)
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         """Remove from each cache in order; stops at the first error (then clear ``seq``)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import Batch
+from kvcache import Batch, CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
 from kvcache.models.llama import Llama, LlamaConfig
 from kvcache.models.rope import Rope
@@ -36,6 +36,28 @@ def test_prefill_then_decode_equals_full_forward(tiny: Llama):
     for p in range(6, 14):
         parts.append(tiny.forward(ids[p : p + 1], Batch.single(0, p, 1), cache))
     assert_close(torch.cat(parts), tiny.forward_full(ids))
+
+
+@pytest.mark.parametrize("key_rope", ["pre", "post"])
+def test_a_cache_storing_keys_before_rope_is_given_them_so(
+    tiny: Llama, key_rope: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Keys go to a cache that stores them before RoPE unrotated (``keys_rotated=False``: no
+    rotation here undone there), to any other rotated; the logits are the no-cache forward's."""
+    flags: list[bool] = []
+    put = CausalCache.put
+
+    def spy(self, layer, key, value, *, keys_rotated=True):  # type: ignore[no-untyped-def]
+        flags.append(keys_rotated)
+        put(self, layer, key, value, keys_rotated=keys_rotated)
+
+    monkeypatch.setattr(CausalCache, "put", spy)
+    ids = tokens(10, seed=11)
+    cache = CausalCache(16, shift=tiny.rope, dtype=torch.float64, key_rope=key_rope)
+    parts = [tiny.forward(ids[:7], Batch.single(0, 0, 7), cache)]
+    parts += [tiny.forward(ids[p : p + 1], Batch.single(0, p, 1), cache) for p in range(7, 10)]
+    assert_close(torch.cat(parts), tiny.forward_full(ids))
+    assert flags == [key_rope == "post"] * (4 * tiny.config.num_layers)
 
 
 def test_chunked_prefill_and_outputs_rows(tiny: Llama):

@@ -301,14 +301,20 @@ class Llama:
         """One decoder block through the cache: attention then MLP (``kernels.linear`` for
         decode-sized steps, residuals fused in addmm for prompts)."""
         c = self.config
-        q, k, v = self._split_qkv(norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv), cos, sin)
         attention = getattr(cache, "attention", None)
         if attention is None:
             raise NotSupportedError(
                 f"{type(cache).__name__} has no attention(layer, q, k, v): Llama needs a "
                 "causal cache (CausalCache, or a WrapperCache routing to one)"
             )
-        out = attention(index, q, k, v)  # [T, Hq, D]
+        # a cache storing keys before RoPE takes them so (not rotated here and back there)
+        rotated = getattr(cache, "key_rope", "post") != "pre"
+        h = norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
+        q, k, v = self._split_qkv(h, cos, sin, rotate_keys=rotated)
+        if rotated:
+            out = attention(index, q, k, v)  # [T, Hq, D]
+        else:
+            out = attention(index, q, k, v, keys_rotated=False)
         x = add_linear(x, out.reshape(x.shape[0], -1), layer.wo)  # x: [T, E]
         gate_up = norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
         return add_linear(x, gate_up, layer.w_down, glu=True)  # + silu(gate) * up @ w_down^T
@@ -320,16 +326,21 @@ class Llama:
         return self._split_qkv(linear(h, layer.wqkv), cos, sin)
 
     def _split_qkv(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_keys: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the fused projection ``qkv`` [T, (Hq + 2 Hkv) D]; q and k rotated in
-        one RoPE call."""
+        one RoPE call (q alone when not ``rotate_keys``)."""
         c = self.config
-        t = qkv.shape[0]
+        t, d = qkv.shape[0], c.head_dim
         n_qk = c.num_heads + c.num_kv_heads
-        qk = self.rope.rotate(qkv[:, : n_qk * c.head_dim].view(t, n_qk, c.head_dim), cos, sin)
-        v = qkv[:, n_qk * c.head_dim :].view(t, c.num_kv_heads, c.head_dim)
-        return qk[:, : c.num_heads], qk[:, c.num_heads :], v
+        n_rot = n_qk if rotate_keys else c.num_heads
+        rotated = self.rope.rotate(qkv[:, : n_rot * d].view(t, n_rot, d), cos, sin)
+        if rotate_keys:
+            k = rotated[:, c.num_heads :]
+        else:
+            k = qkv[:, c.num_heads * d : n_qk * d].view(t, c.num_kv_heads, d)
+        v = qkv[:, n_qk * d :].view(t, c.num_kv_heads, d)
+        return rotated[:, : c.num_heads], k, v
 
     def _swiglu(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         """The MLP's hidden activation ``[T, F]`` of the normed residual (before w_down)."""
