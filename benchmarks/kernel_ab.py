@@ -87,7 +87,7 @@ def compare(
     """Alternate the builds over one cache; per build the fastest step of each round."""
     total = args.rounds * args.steps * len(builds)
     cache = CausalCache(
-        seqs * (context + total + 8), max_sequences=seqs, max_batch=max(context, 2048),
+        context + total + 8, max_sequences=seqs, max_batch=max(context, 2048),
         shift=Rope(DIM, THETA), codec=codec,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
