@@ -210,19 +210,20 @@ class Recorder:
     def __init__(self, model: Llama) -> None:
         self.q: list[torch.Tensor] = []
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        original = model._qkv
+        original = model._split_qkv  # every forward's q, k, v pass through it
 
-        def qkv(layer, x, cos, sin):  # type: ignore[no-untyped-def]
-            q, k, v = original(layer, x, cos, sin)
+        def split(qkv, cos, sin, rotate_keys=True):  # type: ignore[no-untyped-def]
+            q, k, v = original(qkv, cos, sin, rotate_keys)
+            assert rotate_keys, "the recording forward's fp32 cache takes keys after RoPE"
             self.q.append(q.clone())
             self.kv.append((k.clone(), v.clone()))
             return q, k, v
 
         self.model, self.original = model, original
-        model._qkv = qkv  # type: ignore[method-assign]
+        model._split_qkv = split  # type: ignore[method-assign]
 
     def close(self) -> None:
-        self.model._qkv = self.original  # type: ignore[method-assign]
+        self.model._split_qkv = self.original  # type: ignore[method-assign]
 
 
 def attention_cosines(model: Llama, tokens: list[int], codecs: list[str]) -> dict[str, list[float]]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 import kv_quality as kq
+from kvcache.models.llama import Llama
+from tiny_models import TINY
 
 
 def test_held_bytes_counts_every_layer_k_and_v(history_model) -> None:
@@ -28,3 +31,15 @@ def test_quality_of_a_uniform_model_and_of_itself() -> None:
     sharp = torch.log_softmax(torch.randn(kq.WINDOW - kq.PREFILL, vocab, dtype=torch.float64), -1)
     other = kq.quality([sharp], [win], [uniform])
     assert other["kl"] > 0 and other["top1"] < 1.0
+
+
+def test_attention_cosines_record_every_layer_and_see_a_codec() -> None:
+    """The per-layer cosines record each layer's q, k, v from a cached forward (they came
+    out empty once the forward stopped calling the method they wrapped)."""
+    config = replace(TINY, head_dim=16, context_length=1024)
+    model = Llama.random(config, seed=0, dtype=torch.float32)
+    tokens = [i % config.vocab_size for i in range(512)]
+    got = kq.attention_cosines(model, tokens, ["fp32", "int4:recent=0"])
+    assert [len(v) for v in got.values()] == [config.num_layers] * 2
+    assert got["fp32"] == pytest.approx([1.0] * config.num_layers, abs=1e-6)
+    assert all(0.5 < c < 1 - 1e-6 for c in got["int4:recent=0"])
