@@ -117,3 +117,18 @@ def test_wrapper_can_resume_is_the_and():
     cache.start_forward(Batch([4], [0]))  # the window cache evicts pos < 2
     assert full.can_resume(0, 2) and not window.can_resume(0, 3)
     assert not cache.can_resume(0, 3) and cache.can_resume(0, 4)
+
+
+def test_wrapper_attention_passes_keys_given_before_rope_on():
+    from kvcache.models.rope import Rope
+
+    rope = Rope(8, 10000.0)
+    causal = CausalCache(8, shift=rope, key_rope="pre")
+    wrapper = WrapperCache(EncoderCache(), causal)
+    wrapper.start_forward(Batch.single(0, 0, 3))
+    wrapper.set_layer_type(1)
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+    wrapper.attention(0, x, x, x, keys_rotated=False)
+    assert torch.equal(causal.storage.read(0, torch.arange(3))[0], x)  # held as given
+    with pytest.raises(InvalidArgumentError, match="keys_rotated"):
+        wrapper.attention(0, x, x, x, keys_rotated="no")  # type: ignore[arg-type]

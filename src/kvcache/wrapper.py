@@ -85,6 +85,8 @@ class WrapperCache:
         attention = getattr(cache, "attention", None)
         if attention is None:
             raise NotSupportedError(f"{type(cache).__name__} has no attention(layer, q, k, v)")
+        if keys_rotated is True:  # the call every cache with an attention takes
+            return attention(layer, q, k, v, scale=scale)
         return attention(layer, q, k, v, scale=scale, keys_rotated=keys_rotated)
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
