@@ -3,7 +3,8 @@
 Layout: activations are token-major, ``x: [T, E]`` for the T tokens of one forward, which may
 mix prefill chunks and decode tokens of many sequences (a :class:`~kvcache.Batch` says which
 position of which sequence each row is). Per layer the fused projection gives
-``qkv: [T, (Hq + 2 Hkv) D]``; RoPE rotates q and k together; then attention is the cache's
+``qkv: [T, (Hq + 2 Hkv) D]``; RoPE rotates q and k together (q alone for a cache that stores
+keys before RoPE: it takes k as it is, ``keys_rotated=False``); then attention is the cache's
 operation: ``cache.attention(layer, q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]`` stores
 k, v and attends each row to its own sequence's cells (``kvcache.kernels``). Query head ``h``
 reads KV head ``h // G`` (HuggingFace's ``repeat_kv`` order, ``G = Hq / Hkv``).
