@@ -8,6 +8,7 @@ import torch
 
 from kvcache import Batch, CausalCache, EncoderCache, WrapperCache
 from kvcache.errors import CacheFullError, CallOrderError, InvalidArgumentError
+from kvcache.models.rope import Rope
 from support import kv, render
 
 
@@ -120,8 +121,6 @@ def test_wrapper_can_resume_is_the_and():
 
 
 def test_wrapper_attention_passes_keys_given_before_rope_on():
-    from kvcache.models.rope import Rope
-
     rope = Rope(8, 10000.0)
     causal = CausalCache(8, shift=rope, key_rope="pre")
     wrapper = WrapperCache(EncoderCache(), causal)
