@@ -10,6 +10,7 @@ stored K/V. Writes benchmarks/results/kv_quality.json and kv_quality.png.
     python benchmarks/kv_quality.py                 # every codec
     python benchmarks/kv_quality.py --quick         # 1 window, fewer codecs
     python benchmarks/kv_quality.py --codecs kivi4 kivi4@post int8/int4
+    python benchmarks/kv_quality.py --codecs fp32 kivi4 turbo4 --spread   # ΔPPL's rounding spread
     python benchmarks/kv_quality.py --codecs fp32 kivi4 --press-decode tova:0.5 snapkv:0.5 \
         --cap 0.25 --out kv_quality_press
 
@@ -21,6 +22,12 @@ tokens seen so far (the cap follows the history, so the prefill is pressed to CA
 Each codec listed gets a pressed row, judged against the fp32 cache without a press;
 ``held_fraction`` is the mean share of the history the cache held over the scored tokens
 (CAP to CAP + every / history).
+
+``--spread`` runs each codec twice more with every key moved by one float32 ulp before the
+cache stores it (up, then down): the rounding difference numerically equivalent computations
+make. ``dppl_lo`` / ``dppl_hi`` span the three ΔPPLs: a 4-bit codec's moves by tenths of a
+point or more with rounding alone (kivi4 +0.38 -> +0.82 % from a float32-only change of the
+RMSNorm, README), so two runs whose ΔPPLs differ inside that span do not show a change.
 
 A codec spec is a registry name (both K and V), ``KEY/VALUE`` for different key and value
 codecs, and ``@pre`` / ``@post`` to force where keys are quantized (default: the codec's
@@ -68,6 +75,7 @@ CODECS = [
     "turbo3:key_bits=3,value_bits=3",
 ]
 WINDOW, PREFILL, CHUNK = 2048, 1024, 64
+QUALITY_COLS = ["ppl", "dppl_pct", "kl", "top1"]
 DECODE_PRESS_GOAL = 5.0  # issue 14: ΔPPL in % with the cache capped at 1/4 of the history
 DECODE_PRESS_CAP = 0.25  # ... the goal's cap: a looser cap gets no verdict
 
@@ -83,9 +91,30 @@ def make_cache(model: Llama, spec: str, capacity: int) -> CausalCache:
     return CausalCache(capacity, max_batch=PREFILL, shift=model.rope, **parse(spec))
 
 
-def window_logprobs(model: Llama, codec: str, tokens: list[int]) -> torch.Tensor:
-    """Log-probabilities [1024, V] predicting tokens 1024..2047 of one window."""
+def nudge_keys(cache: CausalCache, direction: str) -> None:
+    """Move every key the model hands ``cache.attention`` by one float32 ulp, toward +inf
+    ("up") or -inf ("down"), before the cache stores it: the size of rounding difference
+    that numerically equivalent computations make (another summation order in a layer before),
+    to show how far a codec's figures move with rounding alone (``--spread``)."""
+    if direction not in ("up", "down"):
+        raise ValueError(f"nudge direction {direction!r}: expected 'up' or 'down'")
+    attend = cache.attention
+    bound = math.inf if direction == "up" else -math.inf
+
+    def nudged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        return attend(layer, q, torch.nextafter(k, torch.full_like(k, bound)), v, **kw)
+
+    cache.attention = nudged  # type: ignore[method-assign]  # Llama looks it up on the cache
+
+
+def window_logprobs(
+    model: Llama, codec: str, tokens: list[int], nudge: str | None = None
+) -> torch.Tensor:
+    """Log-probabilities [1024, V] predicting tokens 1024..2047 of one window (with ``nudge``,
+    the keys moved by one ulp that way: :func:`nudge_keys`)."""
     cache = make_cache(model, codec, WINDOW)
+    if nudge is not None:
+        nudge_keys(cache, nudge)
     out = [
         model.forward(tokens[:PREFILL], Batch.single(0, 0, PREFILL), cache, outputs=[PREFILL - 1])
     ]
@@ -275,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         "during decode",
     )
     parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="also run each codec with the keys moved one float32 ulp up and down (3x the "
+        "time): dppl_lo and dppl_hi show how far rounding alone moves its ΔPPL",
+    )
+    parser.add_argument(
         "--out",
         default="kv_quality",
         help="results name: benchmarks/results/OUT.json and OUT.png (default kv_quality)",
@@ -312,10 +347,16 @@ def main(argv: list[str] | None = None) -> int:
             lps = [window_logprobs(model, codec, win) for win in wins]
             base = base or lps  # fp32 comes first
             asym, at2k = bytes_per_token(model, codec)
+            nudged: list[float] = []  # perplexities with the keys one ulp up and down
+            if args.spread and codec != "fp32":
+                for d in ("up", "down"):
+                    nlps = [window_logprobs(model, codec, win, nudge=d) for win in wins]
+                    nudged.append(quality(nlps, wins, base)["ppl"])
             rows.append(
                 {
                     "codec": codec,
                     **quality(lps, wins, base),
+                    "ppl_nudged": nudged,
                     "bytes_per_token": asym,
                     "bytes_per_token_2k": at2k,
                     "decode_tok_s_2k": decode_speed(model, codec, tokens),
@@ -326,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     fp32, fp16_bytes = rows[0], 30 * 2 * 3 * 64 * 2
     for r in rows:
         r["dppl_pct"] = 100 * (r["ppl"] / fp32["ppl"] - 1)
+        spread = [100 * (p / fp32["ppl"] - 1) for p in r["ppl_nudged"]] + [r["dppl_pct"]]
+        r["dppl_lo"], r["dppl_hi"] = min(spread), max(spread)
         r["vs_fp16_bytes"] = fp16_bytes / r["bytes_per_token"]
         r["vs_fp16_bytes_2k"] = fp16_bytes / r["bytes_per_token_2k"]
         r["decode_vs_fp32"] = r["decode_tok_s_2k"] / fp32["decode_tok_s_2k"]
@@ -333,10 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         r["attn_cos_mean"] = sum(cosines[r["codec"]]) / len(cosines[r["codec"]])
     cols = [
         "codec",
-        "ppl",
-        "dppl_pct",
-        "kl",
-        "top1",
+        *QUALITY_COLS[:2],
+        *(["dppl_lo", "dppl_hi"] if args.spread else []),
+        *QUALITY_COLS[2:],
         "bytes_per_token",
         "vs_fp16_bytes",
         "bytes_per_token_2k",
@@ -350,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in pressed:
         r["dppl_pct"] = 100 * (r["ppl"] / fp32["ppl"] - 1)
     if pressed:
-        print(table(pressed, ["codec", "press", "cap", "every", "held_fraction", *cols[1:5]]))
+        print(table(pressed, ["codec", "press", "cap", "every", "held_fraction", *QUALITY_COLS]))
         for r in pressed:
             met = "met" if r["dppl_pct"] <= DECODE_PRESS_GOAL else "missed"
             if r["cap"] > DECODE_PRESS_CAP:  # more of the history held than the goal allows

@@ -43,3 +43,19 @@ def test_attention_cosines_record_every_layer_and_see_a_codec() -> None:
     assert [len(v) for v in got.values()] == [config.num_layers] * 2
     assert got["fp32"] == pytest.approx([1.0] * config.num_layers, abs=1e-6)
     assert all(0.5 < c < 1 - 1e-6 for c in got["int4:recent=0"])
+
+
+def test_nudged_keys_move_a_quantized_codec_and_fp32_by_rounding_only() -> None:
+    """``--spread``: keys one ulp up or down reach the cache (the figures move), and in fp32
+    they move the log-probabilities by rounding only."""
+    config = replace(TINY, head_dim=16, context_length=kq.WINDOW)
+    model = Llama.random(config, seed=0, dtype=torch.float32)
+    tokens = [(7 * i) % config.vocab_size for i in range(kq.WINDOW)]
+    base = kq.window_logprobs(model, "fp32", tokens)
+    up = kq.window_logprobs(model, "fp32", tokens, nudge="up")
+    assert not torch.equal(base, up) and (base - up).abs().max() < 1e-4
+    codes = {d: kq.window_logprobs(model, "int4:recent=0", tokens, nudge=d) for d in ("up", "down")}
+    plain = kq.window_logprobs(model, "int4:recent=0", tokens)
+    assert not torch.equal(codes["up"], codes["down"]) and not torch.equal(plain, codes["up"])
+    with pytest.raises(ValueError, match="sideways"):
+        kq.window_logprobs(model, "fp32", tokens, nudge="sideways")
