@@ -16,6 +16,7 @@ import torch
 
 from kvcache import Batch, CausalCache
 from kvcache.codecs import CODECS, make_codec
+from kvcache.codecs.ints import KEY_REFITS, MAX_REFITS
 from kvcache.codecs.pack import unpack, unpack4
 from kvcache.codecs.window import SHRINK_AFTER
 from kvcache.errors import InvalidConfigError
@@ -456,6 +457,28 @@ def test_window_options():
     for bad in ("int4:recent=x", "int4:window=3", "fp32:recent=1", "int4:recent=-1"):
         with pytest.raises(InvalidConfigError):
             make_codec(bad)
+
+
+def test_int4_keys_refit_their_ranges_and_values_keep_min_max():
+    """The registry: int4's keys get KEY_REFITS least-squares refits, values none, and
+    ``refits=N`` sets them (names keep it: prefix namespaces tell the variants apart); a
+    refitted key cache decodes its rows closer than a min/max one."""
+    assert make_codec("int4", "key").refits == KEY_REFITS > 0
+    assert make_codec("int4g64", "key").refits == KEY_REFITS
+    assert make_codec("int4", "value").refits == 0
+    assert make_codec("kivi4", "value").refits == 0
+    zero = make_codec("int4:refits=0", "key")
+    assert zero.refits == 0 and zero.name == "int4:refits=0"
+    assert make_codec("int4:refits=2", "value").refits == 2
+    for bad in ("int4:refits=-1", f"int4:refits={MAX_REFITS + 1}", "int8:refits=1"):
+        with pytest.raises(InvalidConfigError):
+            make_codec(bad)
+    x = outlier_rows(256)
+    err = {
+        spec: (roundtrip(spec, x) - x).norm()
+        for spec in ("int4:recent=0", "int4:recent=0,refits=0")
+    }
+    assert err["int4:recent=0"] < 0.95 * err["int4:recent=0,refits=0"]
 
 
 def test_fast_unpack_and_int4_decode_equal_the_plain_formulas():

@@ -62,9 +62,15 @@ def test_int8_kernel_equals_the_torch_expression(dim: int) -> None:
     assert got.codes.abs().max() == 127  # the codes use their range
 
 
-@pytest.mark.parametrize(("bits", "group", "dim"), [(4, 32, 64), (4, 64, 64), (4, 32, 128),
-                                                   (2, 32, 64), (4, 2, 64), (2, 4, 64)])  # fmt: skip
-def test_affine_kernel_equals_the_torch_expression(bits: int, group: int, dim: int) -> None:
+@pytest.mark.parametrize(("bits", "group", "dim", "refits"),
+                         [(4, 32, 64, 0), (4, 64, 64, 0), (4, 32, 128, 0), (2, 32, 64, 0),
+                          (4, 2, 64, 0), (2, 4, 64, 0), (4, 32, 64, 4), (4, 64, 64, 4),
+                          (2, 32, 64, 2), (4, 2, 64, 3), (4, 6, 96, 4)])  # fmt: skip
+def test_affine_kernel_equals_the_torch_expression(
+    bits: int, group: int, dim: int, refits: int
+) -> None:
+    """Every group's codes, scale and minimum bit for bit, with and without least-squares
+    refits of the ranges (groups of 6 channels: sums over a zero-padded width of 8)."""
     heads, cells_n = 3, 40
     x = _rows(24, heads, dim, seed=bits * 100 + group)
     cells = torch.randperm(cells_n, generator=torch.Generator().manual_seed(2))[:24]
@@ -77,10 +83,11 @@ def test_affine_kernel_equals_the_torch_expression(bits: int, group: int, dim: i
             bits=bits,
             group=group,
             dim=dim,
+            refits=refits,
         )
 
     got, want = fresh(), fresh()
-    encode.affine(x, cells, bits, group, got.codes, got.scale, got.low)
+    encode.affine(x, cells, bits, group, got.codes, got.scale, got.low, refits)
     AffineRowsBuffer.encode_reference(want, cells, x)  # type: ignore[arg-type]
     for name in ("codes", "scale", "low"):
         assert _fields_equal(getattr(got, name), getattr(want, name)), name
@@ -88,6 +95,28 @@ def test_affine_kernel_equals_the_torch_expression(bits: int, group: int, dim: i
     assert not got.codes[untouched].any() and not got.low[untouched].float().any()
     codes = got.codes[cells]
     assert (codes & ((1 << bits) - 1)).max() == (1 << bits) - 1  # the top level is used
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_refitted_ranges_decode_closer_than_min_max(group: int) -> None:
+    """Least-squares refits keep a group's min/max pair unless another decodes its rows with
+    less squared error: no group gets worse, and on Gaussian rows most get better."""
+    dim, heads, n = 64, 4, 64
+    x = (torch.randn(n, heads, dim, generator=torch.Generator().manual_seed(9)) * 2).half().float()
+    cells = torch.arange(n)
+
+    def errors(refits: int) -> torch.Tensor:
+        codes = torch.zeros(n, heads, dim // 2, dtype=torch.uint8)
+        scale, low = (torch.zeros(n, heads, dim // group, dtype=torch.float16) for _ in range(2))
+        encode.affine(x, cells, 4, group, codes, scale, low, refits)
+        q = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, heads, -1, group).double()
+        got = q * scale.double()[..., None] + low.double()[..., None]
+        return ((got - x.double().view(got.shape)) ** 2).sum(-1)  # [n, H, D/G]
+
+    plain, refitted = errors(0), errors(4)
+    assert (refitted <= plain * (1 + 1e-6)).all()
+    assert (refitted < plain * 0.98).float().mean() > 0.5
+    assert refitted.sum() < 0.95 * plain.sum()
 
 
 @pytest.mark.parametrize(("bits", "dim"), [(4, 64), (2, 64), (4, 128)])

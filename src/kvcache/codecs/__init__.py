@@ -5,8 +5,9 @@ fp32      float32                                                32
 fp16      float16                                                16
 bf16      bfloat16                                               16
 int8      int8 + fp16 scale per (token, head)                    8.25
-int4      4-bit asymmetric, fp16 scale + min per 32 channels     5 (keys centred)
-int4g64   the same with groups of 64 channels                    4.5 (keys centred)
+int4      4-bit asymmetric, fp16 scale + min per 32 channels     5 (keys centred, their
+                                                                 ranges refitted)
+int4g64   the same with groups of 64 channels                    4.5 (keys likewise)
 kivi4/2   keys per channel (groups of 64 tokens), values per token   4.5 / 2.5
 turbo4/3  rotation + Lloyd-Max codebook per (token, head); keys   4.25 / 3.19 (keys
           get 5 / 4 bits, values 3 / 2                           centred)
@@ -15,7 +16,7 @@ A/B       codec A for keys, B for values: "int8/int4"
 int4, turbo and kivi keep each sequence's newest 128 rows in fp16 (``kvcache.recent``;
 ``"int4:recent=0"`` turns it off, ``"kivi4:residual=256"`` resizes kivi's), and every
 quantizing codec seals a sequence's rows 32 at a time (``"int8:batch=1"``: as written; kivi
-keys: 64, a group).
+keys: 64, a group); ``"int4:refits=0"`` codes int4's keys against their groups' min/max.
 
 kivi keys are quantized before RoPE in a cell cache that has a shift function
 (``Codec.pre_rope``; see ``kvcache.storage``); turbo keys too, unless the shift is a rotary
@@ -47,8 +48,12 @@ CODECS: dict[str, Callable[..., Codec]] = {
     "fp16": lambda key: FloatCodec(torch.float16),
     "bf16": lambda key: FloatCodec(torch.bfloat16),
     "int8": lambda key, batch=SEAL_BATCH: Int8Codec(batch),
-    "int4": lambda key, recent=RECENT, batch=SEAL_BATCH: int4(32, key, recent, batch),
-    "int4g64": lambda key, recent=RECENT, batch=SEAL_BATCH: int4(64, key, recent, batch),
+    "int4": lambda key, recent=RECENT, batch=SEAL_BATCH, refits=None: int4(
+        32, key, recent, batch, refits
+    ),
+    "int4g64": lambda key, recent=RECENT, batch=SEAL_BATCH, refits=None: int4(
+        64, key, recent, batch, refits
+    ),
     "kivi4": lambda key, residual=RECENT: kivi(4, per_channel=key, residual=residual),
     "kivi2": lambda key, residual=RECENT: kivi(2, per_channel=key, residual=residual),
     "turbo4": lambda key, recent=RECENT, key_bits=5, value_bits=3, batch=SEAL_BATCH: _turbo(

@@ -47,11 +47,13 @@ def affine(
     codes: torch.Tensor,
     scale: torch.Tensor,
     low: torch.Tensor,
+    refits: int = 0,
 ) -> None:
     """Rows ``x`` [n, H, D] into packed ``codes`` [N, H, D*bits/8] and the groups' ``scale``
-    and ``low`` [N, H, D/group] fp16 at ``cells`` [n]."""
+    and ``low`` [N, H, D/group] fp16 at ``cells`` [n], each group's range refitted
+    ``refits`` times (``codecs.ints.affine_ranges``)."""
     extension().encode_affine(
-        x.contiguous(), cells.long().contiguous(), bits, group, codes, scale, low
+        x.contiguous(), cells.long().contiguous(), bits, group, codes, scale, low, refits
     )
 
 

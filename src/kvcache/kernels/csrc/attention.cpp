@@ -733,7 +733,7 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
 void encode_int8(const at::Tensor& x, const at::Tensor& cells, at::Tensor& codes,
                  at::Tensor& scale);
 void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, int64_t group,
-                   at::Tensor& codes, at::Tensor& scale, at::Tensor& low);
+                   at::Tensor& codes, at::Tensor& scale, at::Tensor& low, int64_t refits);
 void range_channels(const at::Tensor& x, int64_t meta, int64_t bits, at::Tensor& scale,
                     at::Tensor& low);
 void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& metas,

@@ -8,7 +8,10 @@
 //   int8:   scale = fp16(max|x| / 127); q = clamp(round(x / max(scale, tiny)), -127, 127)
 //   affine: per group of channels lo, hi = min, max; low = fp16(lo);
 //           scale = fp16((hi - low) / levels); q = clamp(round((x - low) / max(scale, tiny)),
-//           0, levels), packed little end first (kvcache.codecs.pack)
+//           0, levels), packed little end first (kvcache.codecs.pack); with refits > 0 the
+//           (low, scale) grid of least squared error among that one and its least-squares
+//           refits, each kept within half a step of every value
+//           (kvcache.codecs.ints.affine_ranges)
 //   channels (KIVI keys, src/kvcache/codecs/kivi.py): a record's per-channel range over its
 //           rows, lo, hi = min, max over rows; scale = fp16((hi - lo) / levels), low = fp16(lo);
 //           a row's codes against its record: q = clamp(round((x - low) / max(scale, tiny)),
@@ -188,10 +191,72 @@ void encode_int8(const at::Tensor& x, const at::Tensor& cells, at::Tensor& codes
   });
 }
 
+// A group's codes q [group] against (low, scale), and their squared error as decoded,
+// (q * scale + low - v)^2 summed by halving over w [width] (zero-padded)
+__attribute__((optimize("fp-contract=off"))) float affine_error(const float* v, int64_t group,
+                                                                int64_t width, float levels,
+                                                                float low, float scale, float* q,
+                                                                float* w) {
+  const float safe = std::max(scale, HALF_TINY);
+  for (int64_t i = 0; i < group; ++i) {
+    q[i] = std::min(std::max(std::nearbyint((v[i] - low) / safe), 0.f), levels);
+    const float e = q[i] * scale + low - v[i];
+    w[i] = e * e;
+  }
+  for (int64_t i = group; i < width; ++i) w[i] = 0.f;
+  return halving_sum(w, width);
+}
+
+// sum of a[i] * b[i] (b null: of a[i]) over a group, by halving over w [width]
+__attribute__((optimize("fp-contract=off"))) float group_sum(const float* a, const float* b,
+                                                             int64_t group, int64_t width,
+                                                             float* w) {
+  for (int64_t i = 0; i < group; ++i) w[i] = b ? a[i] * b[i] : a[i];
+  for (int64_t i = group; i < width; ++i) w[i] = 0.f;
+  return halving_sum(w, width);
+}
+
+// Least-squares refits of a group's grid from (low, scale), both fp16 values, within the
+// grids that keep every value within half a step of a level: the grid of least squared error
+// is left in them (ints.affine_ranges, operation for operation)
+__attribute__((optimize("fp-contract=off"))) void refit_range(const float* v, int64_t group,
+                                                              float levels, int64_t refits,
+                                                              float lo, float hi, float& low,
+                                                              float& scale) {
+  float q[256], w[256];
+  int64_t width = 1;
+  while (width < group) width *= 2;
+  const float n = (float)group, sx = group_sum(v, nullptr, group, width, w);
+  const float finest = (hi - lo) / (levels + 1.f), widest = (hi - lo) / levels;
+  float best = affine_error(v, group, width, levels, low, scale, q, w);
+  float best_low = low, best_scale = scale;
+  for (int64_t k = 0; k < refits; ++k) {
+    const float sq = group_sum(q, nullptr, group, width, w);
+    const float sqq = group_sum(q, q, group, width, w);
+    const float sqx = group_sum(q, v, group, width, w);
+    const float det = n * sqq - sq * sq;  // exact: integer sums below 2^24
+    if (!(det > 0.f)) break;              // codes all equal: no other grid (torch repeats this one)
+    const float step = std::min(std::max((n * sqx - sq * sx) / det, finest), widest);
+    const float base =
+        std::min(std::max((sx - step * sq) / n, hi - (levels + 0.5f) * step), lo + 0.5f * step);
+    scale = static_cast<float>(c10::Half(step));
+    low = static_cast<float>(c10::Half(base));
+    const float err = affine_error(v, group, width, levels, low, scale, q, w);
+    if (err < best) {  // NaN never is
+      best = err;
+      best_low = low;
+      best_scale = scale;
+    }
+  }
+  low = best_low;
+  scale = best_scale;
+}
+
 // codes uint8 [N', H, D * bits / 8], scale and low fp16 [N', H, D / group]
 void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, int64_t group,
-                   at::Tensor& codes, at::Tensor& scale, at::Tensor& low) {
+                   at::Tensor& codes, at::Tensor& scale, at::Tensor& low, int64_t refits) {
   TORCH_CHECK(bits == 2 || bits == 4, "kvcache encode: affine codes of 2 or 4 bits");
+  TORCH_CHECK(refits >= 0 && refits <= 64, "kvcache encode: refits must be in 0..64");
   const int64_t rows = codes.size(0), H = codes.size(1), per = 8 / bits;
   const int64_t D = codes.size(2) * per;
   TORCH_CHECK(group > 0 && group <= 256 && D % group == 0 && group % per == 0,
@@ -218,8 +283,14 @@ void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, i
           lo = std::min(lo, v[i]);
           hi = std::max(hi, v[i]);
         }
-        const float lowf = to_half(lo, lp + at_ * groups + g);
-        const float safe = std::max(to_half((hi - lowf) / levels, sp + at_ * groups + g), HALF_TINY);
+        float lowf = to_half(lo, lp + at_ * groups + g);
+        float scalef = to_half((hi - lowf) / levels, sp + at_ * groups + g);
+        if (refits > 0) {
+          refit_range(v, group, levels, refits, lo, hi, lowf, scalef);
+          lp[at_ * groups + g] = c10::Half(lowf);  // fp16 values: exact
+          sp[at_ * groups + g] = c10::Half(scalef);
+        }
+        const float safe = std::max(scalef, HALF_TINY);
         for (int64_t i = 0; i < group; ++i)
           q[i] = std::min(std::max(std::nearbyint((v[i] - lowf) / safe), 0.f), levels);
         pack_codes(q, group, bits, qp + (at_ * D + g * group) / per);
