@@ -211,7 +211,7 @@ def affine_ranges(xg: torch.Tensor, levels: int, refits: int) -> tuple[torch.Ten
     for _ in range(refits):
         sq, sqq = fixed_sum(q, width)[..., 0], fixed_sum(q * q, width)[..., 0]
         sqx = fixed_sum(q * xg, width)[..., 0]
-        det = n * sqq - sq * sq  # exact: integer sums below 2^24
+        det = n * sqq - sq * sq  # exact for groups up to 256 (the kernel's): below 2^24
         fits = det > 0  # codes not all equal (else the last grid stays)
         step = torch.minimum(torch.maximum((n * sqx - sq * sx) / det, finest), widest)
         base = (sx - step * sq) / n
