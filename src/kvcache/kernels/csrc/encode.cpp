@@ -42,6 +42,11 @@ float to_half(float v, c10::Half* out) {
   return static_cast<float>(*out);
 }
 
+// v's affine code on the grid of lowest level ``low`` and step ``safe`` (>= tiny)
+float affine_code(float v, float low, float safe, float levels) {
+  return std::min(std::max(std::nearbyint((v - low) / safe), 0.f), levels);
+}
+
 // ids [n] int64 (cells or records), each in [0, bound)
 void check_ids(const at::Tensor& ids, int64_t n, int64_t bound, const char* name,
                const char* each) {
@@ -199,7 +204,7 @@ __attribute__((optimize("fp-contract=off"))) float affine_error(const float* v, 
                                                                 float* w) {
   const float safe = std::max(scale, HALF_TINY);
   for (int64_t i = 0; i < group; ++i) {
-    q[i] = std::min(std::max(std::nearbyint((v[i] - low) / safe), 0.f), levels);
+    q[i] = affine_code(v[i], low, safe, levels);
     const float e = q[i] * scale + low - v[i];
     w[i] = e * e;
   }
@@ -292,7 +297,7 @@ void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, i
         }
         const float safe = std::max(scalef, HALF_TINY);
         for (int64_t i = 0; i < group; ++i)
-          q[i] = std::min(std::max(std::nearbyint((v[i] - lowf) / safe), 0.f), levels);
+          q[i] = affine_code(v[i], lowf, safe, levels);
         pack_codes(q, group, bits, qp + (at_ * D + g * group) / per);
       }
     }
@@ -357,7 +362,7 @@ void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Ten
       for (int64_t i = 0; i < D; ++i) {
         const float safe = std::max(static_cast<float>(sp[rec + i]), HALF_TINY);
         const float lowf = static_cast<float>(lp[rec + i]);
-        q[i] = std::min(std::max(std::nearbyint((v[i] - lowf) / safe), 0.f), levels);
+        q[i] = affine_code(v[i], lowf, safe, levels);
       }
       pack_codes(q, D, bits, qp + (cp[r / H] * H + r % H) * (D / per));
     }
