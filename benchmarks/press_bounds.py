@@ -29,6 +29,11 @@ unpressed cache. Eleven ways to choose what stays, each at every ``--caps`` valu
               (``future_costs``): what a press that knew the whole future would keep
     futureout   the same, by how far each coming query's output (through the output
               projection) would move were the cell alone gone
+    globalout futureout's costs with one budget for all (layer, KV head) pairs (AdaKV's
+              allocation, with foresight): each pair keeps its best ``--floors`` share of
+              the per-head budget, the rest of the L x Hkv x budget rows go to the largest
+              costs anywhere (the costs compare across heads and layers: distances in the
+              same residual stream); one row per floor
     cellout   futureout's costs, one decision per cell (what a cell cache can free): each
               cell's costs summed over layers and KV heads as they are (every head's output
               moves in the same residual stream), the newest 64 cells kept
@@ -88,6 +93,7 @@ MODES = (
     "headout",
     "futureattn",
     "futureout",
+    "globalout",
     "cellout",
     "cellsnap",
     "cellmerge",
@@ -368,6 +374,41 @@ class PerHeadFuture(PerHead):
         return self.costs[layer, self.now, :, :n]
 
 
+def global_keep(scores: torch.Tensor, keep: int, floor: float) -> torch.Tensor:
+    """Which rows [L, Hkv, n] stay of ``scores`` [L, Hkv, n] (-inf: gone) when every (layer,
+    head) keeps its best int(floor * keep) and the rest of L * Hkv * keep rows go to the
+    largest scores left anywhere."""
+    (layers, heads, _), own = scores.shape, int(floor * keep)
+    kept = torch.zeros_like(scores, dtype=torch.bool)
+    if own:
+        kept.scatter_(-1, scores.topk(own, dim=-1).indices, True)
+    rest = scores.masked_fill(kept, -math.inf).flatten()
+    kept.view(-1)[rest.topk((keep - own) * layers * heads).indices] = True
+    return kept
+
+
+class GlobalFuture(PerHeadFuture):
+    """PerHeadFuture's costs, one budget for every (layer, KV head): ``global_keep``."""
+
+    def __init__(
+        self,
+        cache: CausalCache,
+        layers: int,
+        heads: int,
+        cells: int,
+        costs: torch.Tensor,
+        nows: list[int],
+        floor: float,
+    ) -> None:
+        super().__init__(cache, layers, heads, cells, costs, nows)
+        self.floor = floor
+
+    def press(self, n: int, keep: int) -> None:
+        self.now = self.press_of[n]
+        s = self.costs[:, self.now, :, :n].masked_fill(~self.valid[:, :, :n], -math.inf)
+        self.valid[:, :, :n] &= global_keep(s, keep, self.floor)
+
+
 class CellFuture(PerHeadFuture):
     """PerHeadFuture's costs, one decision per cell: the cells with the largest costs summed
     over layers and heads (the newest ``WINDOW`` kept) stay in every layer and head."""
@@ -482,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caps", type=float, nargs="+", help="cells kept / tokens seen")
     parser.add_argument("--modes", nargs="+", choices=MODES, help=f"{' '.join(MODES)}")
     parser.add_argument("--every", type=int, default=16, help="decode steps between presses")
+    parser.add_argument(
+        "--floors",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.5, 0.8],
+        help="globalout: each head's own share of its budget, one row each",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default="press_bounds", help="results name (.json, .png)")
     args = parser.parse_args(argv)
@@ -489,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     args.modes = args.modes or (["snapkv", "perhead"] if args.quick else list(MODES))
     if not all(0 < c < 1 for c in args.caps):
         parser.error(f"--caps {args.caps}: fractions in (0, 1)")
+    if not all(0 <= f <= 1 for f in args.floors):
+        parser.error(f"--floors {args.floors}: fractions in [0, 1]")
     torch.set_num_threads(args.threads)
     from kvcache.press import make_press
     from kvcache.text.tokenizer import Tokenizer
@@ -501,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         ppl = kq.quality([base], [tokens], [base])["ppl"]
         nows = press_times(kq.PREFILL, len(tokens), args.every)
         wo = [layer.wo for layer in model.weights.layers]
-        need = set(args.modes) | ({"futureout"} if "cellout" in args.modes else set())
+        with_out = {"cellout", "globalout"} & set(args.modes)
+        need = set(args.modes) | ({"futureout"} if with_out else set())
         costs = {m: future_costs(queries, kv, wo, nows, m) for m in FUTURE if m in need}
         sims: dict[str, Callable[..., PerHead]] = {
             "perhead": PerHead,
@@ -514,8 +565,16 @@ def main(argv: list[str] | None = None) -> int:
             sims["cellout"] = lambda *a: CellFuture(*a, costs["futureout"], nows)
         sims["cellsnap"] = lambda *a: CellMerge(*a, model.rope, merge=False)
         sims["cellmerge"] = lambda *a: CellMerge(*a, model.rope, merge=True)
+        runs = []  # the rows' modes: globalout once per floor
+        for mode in args.modes:
+            if mode != "globalout":
+                runs.append(mode)
+                continue
+            for f in args.floors:
+                runs.append(f"globalout:{f:g}")
+                sims[runs[-1]] = lambda *a, f=f: GlobalFuture(*a, costs["futureout"], nows, f)
         for cap in args.caps:
-            for mode in tqdm(args.modes, desc=f"cap {cap:g}", unit="mode"):
+            for mode in tqdm(runs, desc=f"cap {cap:g}", unit="mode"):
                 union = None
                 if mode in sims:
                     lp, held, union = per_head(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -134,7 +137,10 @@ def test_future_costs_equal_a_query_by_query_reference(history_model: Llama, kin
 
 
 def future_presses(
-    model: Llama, make: type[pb.PerHeadFuture], keeps: tuple[int, int], seed: int
+    model: Llama,
+    make: Callable[..., pb.PerHeadFuture],
+    keeps: tuple[int, int],
+    seed: int,
 ) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
     """Random costs [L, 2, Hkv, N], the two presses' newest positions and what each (layer,
     head) saw after each press of ``make`` (keeping ``keeps[i]`` cells at press i)."""
@@ -233,6 +239,48 @@ def test_the_cell_oracle_keeps_the_cells_costliest_over_every_head(history_model
         assert torch.equal(valid, want.expand_as(valid))  # one decision, every layer and head
         gone = ~want if gone is None else gone
     assert not seen[1][:, :, : nows[0] + 1][:, :, gone].any()  # none of the first press's gone
+
+
+def reference_global(scores: torch.Tensor, keep: int, own: int) -> torch.Tensor:
+    """global_keep one row at a time: each (layer, head)'s ``own`` best, then the best rows
+    left anywhere until L * Hkv * keep are kept (-inf: gone, never kept)."""
+    layers, heads, n = scores.shape
+    kept = torch.zeros_like(scores, dtype=torch.bool)
+    for layer in range(layers):
+        for h in range(heads):
+            order = sorted(range(n), key=lambda j: -float(scores[layer, h, j]))
+            for j in order[:own]:
+                kept[layer, h, j] = True
+    left = [(float(scores[i]), i) for i in np.ndindex(*scores.shape) if not kept[i]]
+    for value, i in sorted(left, reverse=True)[: (keep - own) * layers * heads]:
+        assert value > -math.inf, "a gone row would be kept"
+        kept[i] = True
+    return kept
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.5, 1.0])
+def test_the_global_budget_keeps_each_heads_floor_then_the_best_anywhere(
+    history_model: Llama, floor: float
+) -> None:
+    keeps = (60, 66)
+    costs, nows, seen = future_presses(
+        history_model, lambda *a: pb.GlobalFuture(*a, floor), keeps, 5
+    )
+    c = history_model.config
+    for i, (k, valid) in enumerate(zip(keeps, seen, strict=True)):
+        n = nows[i] + 1
+        s = costs[:, i, :, :n].clone()
+        if i:  # gone at the first press stays gone
+            s[:, :, : nows[0] + 1][~seen[0]] = -math.inf
+        want = reference_global(s, k, int(floor * k))
+        assert torch.equal(valid, want)
+        assert int(valid.sum()) == k * c.num_layers * c.num_kv_heads  # the whole budget
+        per_head = valid.sum(-1)
+        assert (per_head >= int(floor * k)).all()
+        if floor == 1.0:
+            assert (per_head == k).all()  # PerHeadFuture's uniform shares
+        else:
+            assert per_head.min() < per_head.max()  # the budget moved between heads
 
 
 @pytest.mark.parametrize("merge", [False, True])
