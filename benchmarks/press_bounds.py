@@ -4,7 +4,7 @@ with the cache capped at 1/4 of the history?
 The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, one 2048-token window
 of the Debian license texts: a 1024-token prompt, then 1024 tokens scored one decode step at a
 time; every ``--every`` steps the cache goes back to CAP of the tokens seen), against the
-unpressed cache. Eleven ways to choose what stays, each at every ``--caps`` value:
+unpressed cache. Twelve ways to choose what stays, each at every ``--caps`` value:
 
     snapkv    the library's press (``make_press("snapkv")``): one decision per cell, for all
               layers and heads, from the newest 64 queries
@@ -51,6 +51,8 @@ whole future (``futureattn``, ``futureout``) come within the goal's reach: what 
 the history must hold is what the queries far ahead will need, per head, and that is what a
 causal press has to predict (README, issue 14). ``cellout`` is the same foresight for a cell
 cache (one decision per cell, the memory really freed): far above the goal at 1/4.
+``globalout`` moves budget between heads with the same foresight: the more it moves, the
+worse (equal budgets per head are best).
 
     python benchmarks/press_bounds.py                   # caps 0.25 0.5, every mode, ~1 h
     python benchmarks/press_bounds.py --quick           # cap 0.25, snapkv and perhead
