@@ -23,6 +23,10 @@ Each codec listed gets a pressed row, judged against the fp32 cache without a pr
 ``held_fraction`` is the mean share of the history the cache held over the scored tokens
 (CAP to CAP + every / history).
 
+``--window N`` makes each window N tokens (up to SmolLM2's 8192): the last 1024 are scored
+as above, after a prefill of the other N - 1024 (decode-time pressing then caps a longer
+history). The decode speed and the bytes at 2k stay measured at 2048.
+
 ``--spread`` runs each codec twice more with every key moved by one float32 ulp before the
 cache stores it (up, then down): the rounding difference numerically equivalent computations
 make. ``dppl_lo`` / ``dppl_hi`` span the three ΔPPLs: a 4-bit codec's moves by tenths of a
@@ -75,6 +79,7 @@ CODECS = [
     "turbo3:key_bits=3,value_bits=3",
 ]
 WINDOW, PREFILL, CHUNK = 2048, 1024, 64
+SCORED = WINDOW - PREFILL  # the scored tokens at the end of each window, whatever --window
 QUALITY_COLS = ["ppl", "dppl_pct", "kl", "top1"]
 DECODE_PRESS_GOAL = 5.0  # issue 14: ΔPPL in % with the cache capped at 1/4 of the history
 DECODE_PRESS_CAP = 0.25  # ... the goal's cap: a looser cap gets no verdict
@@ -87,8 +92,8 @@ def parse(spec: str) -> dict[str, str | None]:
     return {"key_codec": key, "value_codec": value or key, "key_rope": rope or None}
 
 
-def make_cache(model: Llama, spec: str, capacity: int) -> CausalCache:
-    return CausalCache(capacity, max_batch=PREFILL, shift=model.rope, **parse(spec))
+def make_cache(model: Llama, spec: str, capacity: int, max_batch: int = PREFILL) -> CausalCache:
+    return CausalCache(capacity, max_batch=max_batch, shift=model.rope, **parse(spec))
 
 
 def nudge_keys(cache: CausalCache, direction: str) -> None:
@@ -110,45 +115,50 @@ def nudge_keys(cache: CausalCache, direction: str) -> None:
 def window_logprobs(
     model: Llama, codec: str, tokens: list[int], nudge: str | None = None
 ) -> torch.Tensor:
-    """Log-probabilities [1024, V] predicting tokens 1024..2047 of one window (with ``nudge``,
-    the keys moved by one ulp that way: :func:`nudge_keys`)."""
-    cache = make_cache(model, codec, WINDOW)
+    """Log-probabilities [SCORED, V] predicting the last SCORED tokens of one window (1024..2047
+    of a 2048-token window) after a prefill of the others (with ``nudge``, the keys moved by one
+    ulp that way: :func:`nudge_keys`)."""
+    window = len(tokens)
+    prefill = window - SCORED
+    cache = make_cache(model, codec, window, max_batch=prefill)
     if nudge is not None:
         nudge_keys(cache, nudge)
     out = [
-        model.forward(tokens[:PREFILL], Batch.single(0, 0, PREFILL), cache, outputs=[PREFILL - 1])
+        model.forward(tokens[:prefill], Batch.single(0, 0, prefill), cache, outputs=[prefill - 1])
     ]
-    for start in range(PREFILL, WINDOW - 1, CHUNK):
-        n = min(CHUNK, WINDOW - 1 - start)
+    for start in range(prefill, window - 1, CHUNK):
+        n = min(CHUNK, window - 1 - start)
         out.append(model.forward(tokens[start : start + n], Batch.single(0, start, n), cache))
     cache.close()
-    return torch.log_softmax(torch.cat(out).double(), dim=-1)  # rows predict 1024..2047
+    return torch.log_softmax(torch.cat(out).double(), dim=-1)  # rows predict prefill..window-1
 
 
 def pressed_logprobs(
     model: Llama, codec: str, tokens: list[int], spec: str | Press, cap: float, every: int
 ) -> tuple[torch.Tensor, float]:
-    """Log-probabilities [1024, V] of one window decoded one token per step with the cache
-    capped by a decode-time press (a spec, or a press object), and the mean share of the
-    history the cache held."""
+    """Log-probabilities [SCORED, V] of one window (its last SCORED tokens) decoded one token per
+    step with the cache capped by a decode-time press (a spec, or a press object), and the mean
+    share of the history the cache held."""
     from kvcache.press import make_press
 
     press = make_press(spec) if isinstance(spec, str) else spec
     if press.needs_model:  # snapout reads the output projections
         press.bind(model)
-    cache = make_cache(model, codec, WINDOW)
+    window = len(tokens)
+    prefill = window - SCORED
+    cache = make_cache(model, codec, window, max_batch=prefill)
     held = 0.0
     with press.observe(cache):
-        batch = Batch.single(0, 0, PREFILL)
-        out = [model.forward(tokens[:PREFILL], batch, cache, outputs=[PREFILL - 1])]
-        for i in range(PREFILL, WINDOW - 1):
+        batch = Batch.single(0, 0, prefill)
+        out = [model.forward(tokens[:prefill], batch, cache, outputs=[prefill - 1])]
+        for i in range(prefill, window - 1):
             pos = cache.next_position(0)  # a press that compacts moves the next position
             out.append(model.forward([tokens[i]], Batch.single(0, pos, 1), cache))
-            if (i - PREFILL) % every == 0:  # the cap follows the history: i + 1 tokens
+            if (i - prefill) % every == 0:  # the cap follows the history: i + 1 tokens
                 press.during_decode(max_cells=int(cap * (i + 1)), every=1).step(cache, 0)
             held += len(cache.cells_of(0)) / (i + 1)
     cache.close()
-    return torch.log_softmax(torch.cat(out).double(), dim=-1), held / (WINDOW - 1 - PREFILL)
+    return torch.log_softmax(torch.cat(out).double(), dim=-1), held / (window - 1 - prefill)
 
 
 def quality(
@@ -157,12 +167,20 @@ def quality(
     """Perplexity of the scored tokens, KL(fp32 || this) and top-1 agreement with fp32."""
     nll, kl, agree = 0.0, 0.0, 0
     for lp, win, ref in zip(lps, windows, base, strict=True):
-        target = torch.tensor(win[PREFILL:WINDOW])
+        target = torch.tensor(win[len(win) - SCORED :])
         nll -= float(lp.gather(1, target[:, None]).sum())
         kl += float((ref.exp() * (ref - lp)).sum())
         agree += int((ref.argmax(-1) == lp.argmax(-1)).sum())
-    n = len(lps) * (WINDOW - PREFILL)
+    n = len(lps) * SCORED
     return {"ppl": math.exp(nll / n), "kl": kl / n, "top1": agree / n}
+
+
+def window_ppl(
+    lps: list[torch.Tensor], windows: list[list[int]], base: list[torch.Tensor]
+) -> list[float]:
+    """Each window's perplexity alone (runs of different ``--window`` score the same tokens
+    in some windows: a 4096-token window w scores what 2048-token window 2w + 1 does)."""
+    return [quality([lp], [w], [b])["ppl"] for lp, w, b in zip(lps, windows, base, strict=True)]
 
 
 def decode_pressing(
@@ -185,6 +203,7 @@ def decode_pressing(
                     "every": args.every,
                     "held_fraction": sum(h for _, h in runs) / len(runs),
                     **quality([lp for lp, _ in runs], wins, base),
+                    "window_ppl": window_ppl([lp for lp, _ in runs], wins, base),
                 }
             )
     return rows
@@ -293,7 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 window; fp32, int8, int4, turbo4")
     parser.add_argument("--codecs", nargs="*", default=None, help=f"subset of {CODECS}")
-    parser.add_argument("--windows", type=int, default=None, help="windows of 2048 (default 4)")
+    parser.add_argument("--windows", type=int, default=None, help="windows (default 4)")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=WINDOW,
+        help=f"tokens per window (default {WINDOW}; up to SmolLM2's 8192): the last {SCORED} "
+        "are scored, after a prefill of the others",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--press-decode",
@@ -331,15 +357,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cap {args.cap}: expected a fraction in (0, 1)")
     if args.press_decode and importlib.util.find_spec("kvcache.press") is None:
         parser.error("--press-decode needs kvcache.press (issue 14), not in this checkout")
+    model = Llama.from_gguf()
+    if not WINDOW <= args.window <= model.config.context_length:
+        parser.error(f"--window {args.window}: expected {WINDOW}..{model.config.context_length}")
     torch.set_num_threads(args.threads)
     codecs = args.codecs or (["fp32", "int8", "int4", "turbo4"] if args.quick else CODECS)
     if codecs[0] != "fp32":
         codecs = ["fp32", *[c for c in codecs if c != "fp32"]]
-    windows = args.windows or (1 if args.quick else 4)
-    model = Llama.from_gguf()
+    windows, window = args.windows or (1 if args.quick else 4), args.window
     tokenizer = Tokenizer.from_gguf()
-    tokens = license_tokens(tokenizer, windows * WINDOW)
-    wins = [tokens[w * WINDOW : (w + 1) * WINDOW] for w in range(windows)]
+    tokens = license_tokens(tokenizer, windows * window)
+    wins = [tokens[w * window : (w + 1) * window] for w in range(windows)]
     base: list[torch.Tensor] = []
     rows = []
     with torch.inference_mode():
@@ -356,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "codec": codec,
                     **quality(lps, wins, base),
+                    "window_ppl": window_ppl(lps, wins, base),
                     "ppl_nudged": nudged,
                     "bytes_per_token": asym,
                     "bytes_per_token_2k": at2k,
@@ -405,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         {
             "windows": windows,
-            "scored_tokens": windows * 1024,
+            "window": window,
+            "scored_tokens": windows * SCORED,
             "rows": rows,
             "attention_cosine_per_layer": cosines,
             "decode_pressing": pressed,

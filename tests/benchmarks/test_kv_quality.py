@@ -31,6 +31,9 @@ def test_quality_of_a_uniform_model_and_of_itself() -> None:
     sharp = torch.log_softmax(torch.randn(kq.WINDOW - kq.PREFILL, vocab, dtype=torch.float64), -1)
     other = kq.quality([sharp], [win], [uniform])
     assert other["kl"] > 0 and other["top1"] < 1.0
+    nll = -float(sharp.gather(1, torch.tensor(win[kq.PREFILL :])[:, None]).mean())
+    each = kq.window_ppl([uniform, sharp], [win, win], [uniform, uniform])
+    assert each == pytest.approx([vocab, math.exp(nll)])  # each window alone, in order
 
 
 def test_attention_cosines_record_every_layer_and_see_a_codec() -> None:
@@ -59,3 +62,26 @@ def test_nudged_keys_move_a_quantized_codec_and_fp32_by_rounding_only() -> None:
     assert not torch.equal(codes["up"], codes["down"]) and not torch.equal(plain, codes["up"])
     with pytest.raises(ValueError, match="sideways"):
         kq.window_logprobs(model, "fp32", tokens, nudge="sideways")
+
+
+def test_a_longer_window_scores_its_last_tokens_after_a_longer_prefill() -> None:
+    """``--window``: the rows predict the window's last SCORED tokens, as one forward over the
+    whole window does, and quality scores exactly those tokens."""
+    window = kq.WINDOW + 512
+    config = replace(TINY, head_dim=16, context_length=window)
+    model = Llama.random(config, seed=0, dtype=torch.float32)
+    tokens = [(7 * i + i // 5) % config.vocab_size for i in range(window)]
+    lp = kq.window_logprobs(model, "fp32", tokens)
+    assert lp.shape == (kq.SCORED, config.vocab_size)
+    from kvcache import Batch
+
+    cache = kq.make_cache(model, "fp32", window, max_batch=window)
+    whole = model.forward(tokens, Batch.single(0, 0, window), cache)  # every position's logits
+    cache.close()
+    want = torch.log_softmax(whole[window - kq.SCORED - 1 : window - 1].double(), dim=-1)
+    assert torch.allclose(lp, want, atol=1e-4, rtol=0)
+    nll = -float(lp.gather(1, torch.tensor(tokens[-kq.SCORED :])[:, None]).sum())
+    assert kq.quality([lp], [tokens], [lp])["ppl"] == pytest.approx(math.exp(nll / kq.SCORED))
+    pressed, held = kq.pressed_logprobs(model, "fp32", tokens, "streaming:0.5", 0.25, 16)
+    assert pressed.shape == lp.shape and not torch.allclose(pressed, lp, atol=1e-3)
+    assert 0.25 <= held < 0.25 + 16 / (window - kq.SCORED)  # capped at 1/4 of the history
