@@ -353,7 +353,8 @@ def future_costs(
 
 class PerHeadFuture(PerHead):
     """PerHead whose heads choose by ``future_costs`` (every query to come, not a window):
-    each (layer, KV head) keeps the cells its coming queries need most."""
+    each (layer, KV head) keeps the cells its coming queries need most. ``floor`` < 1
+    (``globalout``): one budget for every (layer, KV head), ``global_keep``."""
 
     def __init__(
         self,
@@ -363,14 +364,20 @@ class PerHeadFuture(PerHead):
         cells: int,
         costs: torch.Tensor,
         nows: list[int],
+        floor: float = 1.0,
     ) -> None:
         super().__init__(cache, layers, heads, cells)
         self.costs, self.press_of = costs, {now + 1: i for i, now in enumerate(nows)}
         self.now = 0  # the press under way (an index into nows)
+        self.floor = floor
 
     def press(self, n: int, keep: int) -> None:
         self.now = self.press_of[n]
-        super().press(n, keep)
+        if self.floor == 1.0:
+            super().press(n, keep)
+            return
+        s = self.costs[:, self.now, :, :n].masked_fill(~self.valid[:, :, :n], -math.inf)
+        self.valid[:, :, :n] &= global_keep(s, keep, self.floor)
 
     def scores(self, layer: int, n: int) -> torch.Tensor:
         return self.costs[layer, self.now, :, :n]
@@ -387,28 +394,6 @@ def global_keep(scores: torch.Tensor, keep: int, floor: float) -> torch.Tensor:
     rest = scores.masked_fill(kept, -math.inf).flatten()
     kept.view(-1)[rest.topk((keep - own) * layers * heads).indices] = True
     return kept
-
-
-class GlobalFuture(PerHeadFuture):
-    """PerHeadFuture's costs, one budget for every (layer, KV head): ``global_keep``."""
-
-    def __init__(
-        self,
-        cache: CausalCache,
-        layers: int,
-        heads: int,
-        cells: int,
-        costs: torch.Tensor,
-        nows: list[int],
-        floor: float,
-    ) -> None:
-        super().__init__(cache, layers, heads, cells, costs, nows)
-        self.floor = floor
-
-    def press(self, n: int, keep: int) -> None:
-        self.now = self.press_of[n]
-        s = self.costs[:, self.now, :, :n].masked_fill(~self.valid[:, :, :n], -math.inf)
-        self.valid[:, :, :n] &= global_keep(s, keep, self.floor)
 
 
 class CellFuture(PerHeadFuture):
@@ -574,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for f in args.floors:
                 runs.append(f"globalout:{f:g}")
-                sims[runs[-1]] = lambda *a, f=f: GlobalFuture(*a, costs["futureout"], nows, f)
+                sims[runs[-1]] = lambda *a, f=f: PerHeadFuture(*a, costs["futureout"], nows, f)
         for cap in args.caps:
             for mode in tqdm(runs, desc=f"cap {cap:g}", unit="mode"):
                 union = None

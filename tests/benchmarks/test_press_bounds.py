@@ -264,7 +264,7 @@ def test_the_global_budget_keeps_each_heads_floor_then_the_best_anywhere(
 ) -> None:
     keeps = (60, 66)
     costs, nows, seen = future_presses(
-        history_model, lambda *a: pb.GlobalFuture(*a, floor), keeps, 5
+        history_model, lambda *a: pb.PerHeadFuture(*a, floor=floor), keeps, 5
     )
     c = history_model.config
     for i, (k, valid) in enumerate(zip(keeps, seen, strict=True)):
