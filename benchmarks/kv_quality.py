@@ -445,11 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(rows) > 1 or not pressed:
         _plot(rows, RESULTS / f"{args.out}.png", windows)
     else:  # the fp32 row alone has nothing to show: plot the presses instead
-        _plot_pressed(pressed, float(fp32["ppl"]), RESULTS / f"{args.out}.png")
+        _plot_pressed(pressed, float(fp32["ppl"]), RESULTS / f"{args.out}.png", window)
     return 0
 
 
-def _plot_pressed(pressed: list[dict[str, Any]], ppl: float, path: Path) -> None:
+def _plot_pressed(
+    pressed: list[dict[str, Any]], ppl: float, path: Path, window: int = WINDOW
+) -> None:
     """ΔPPL of each codec + decode-time press, bars, with the issue's goal as a line."""
     import matplotlib
 
@@ -464,7 +466,8 @@ def _plot_pressed(pressed: list[dict[str, Any]], ppl: float, path: Path) -> None
     cap = float(ranked[0]["cap"]) if ranked else 0.0
     ax.set(
         ylabel=f"ΔPPL % vs the unpressed cache (PPL {ppl:.1f})",
-        title=f"SmolLM2-135M, decode-time pressing to {cap:g} of the history",
+        title=f"SmolLM2-135M, decode-time pressing to {cap:g} of the history "
+        f"({window}-token windows, the last {SCORED} scored)",
     )
     ax.tick_params(axis="x", labelsize=7)
     ax.legend()
