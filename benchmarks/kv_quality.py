@@ -13,6 +13,8 @@ stored K/V. Writes benchmarks/results/kv_quality.json and kv_quality.png.
     python benchmarks/kv_quality.py --codecs fp32 kivi4 turbo4 --spread   # ΔPPL's rounding spread
     python benchmarks/kv_quality.py --codecs fp32 kivi4 --press-decode tova:0.5 snapkv:0.5 \
         --cap 0.25 --out kv_quality_press
+    python benchmarks/kv_quality.py --codecs fp32 --windows 2 --window 8192 \
+        --press-decode snapout:0.5 --cap 0.25 --out kv_quality_press_8k   # SmolLM2's context
 
 Decode-time pressing (issue 14, ``--press-decode SPEC [SPEC ...]``, needs ``kvcache.press``): each
 window's prefill and its scored tokens run under the press, the scored tokens one per
