@@ -1,7 +1,7 @@
 """Bounds of decode-time pressing (issue 14): would a better choice of cells reach ΔPPL <= 5 %
 with the cache capped at 1/4 of the history?
 
-The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, one 2048-token window
+The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, 2048-token windows
 of the Debian license texts: a 1024-token prompt, then 1024 tokens scored one decode step at a
 time; every ``--every`` steps the cache goes back to CAP of the tokens seen), against the
 unpressed cache. Twelve ways to choose what stays, each at every ``--caps`` value:
@@ -57,6 +57,11 @@ worse (equal budgets per head are best).
     python benchmarks/press_bounds.py                   # caps 0.25 0.5, every mode, ~1 h
     python benchmarks/press_bounds.py --quick           # cap 0.25, snapkv and perhead
     python benchmarks/press_bounds.py --caps 0.25 0.75 --modes snapkv oracle
+    python benchmarks/press_bounds.py --modes futureout headout --caps 0.25 --windows 8
+
+``--windows N`` runs windows 0..N-1 of the license texts (2,048 tokens each) and pools them
+as ``kv_quality.py`` does (the mean log-perplexity, KL and top-1 over every scored token);
+each row keeps every window's perplexity and ΔPPL.
 
 Writes benchmarks/results/press_bounds.json and press_bounds.png (ΔPPL against the cap).
 """
@@ -65,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -517,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.0, 0.5, 0.8],
         help="globalout: each head's own share of its budget, one row each",
     )
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=1,
+        help="2048-token windows of the license texts (default 1: window 0), pooled as "
+        "kv_quality.py pools them",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default="press_bounds", help="results name (.json, .png)")
     args = parser.parse_args(argv)
@@ -526,63 +539,99 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--caps {args.caps}: fractions in (0, 1)")
     if not all(0 <= f <= 1 for f in args.floors):
         parser.error(f"--floors {args.floors}: fractions in [0, 1]")
+    if args.windows < 1:
+        parser.error(f"--windows {args.windows}: expected at least 1")
     torch.set_num_threads(args.threads)
-    from kvcache.press import make_press
     from kvcache.text.tokenizer import Tokenizer
 
     model = Llama.from_gguf()
-    tokens = license_tokens(Tokenizer.from_gguf(), kq.WINDOW)
-    rows: list[dict[str, Any]] = []
+    tokens = license_tokens(Tokenizer.from_gguf(), args.windows * kq.WINDOW)
+    per_window = []  # [window][run]: each window's rows, in the same order
     with torch.inference_mode():
-        base, queries, kv = unpressed(model, tokens, kq.PREFILL)
-        ppl = kq.quality([base], [tokens], [base])["ppl"]
-        nows = press_times(kq.PREFILL, len(tokens), args.every)
-        wo = [layer.wo for layer in model.weights.layers]
-        with_out = {"cellout", "globalout"} & set(args.modes)
-        need = set(args.modes) | ({"futureout"} if with_out else set())
-        costs = {m: future_costs(queries, kv, wo, nows, m) for m in FUTURE if m in need}
-        sims: dict[str, Callable[..., PerHead]] = {
-            "perhead": PerHead,
-            "headh2o": PerHeadH2O,
-            "headout": lambda *a: PerHeadOut(*a, wo, model.config.head_dim),
-            "headoracle": lambda *a: PerHeadOracle(*a, queries, args.every),
-            **{m: (lambda *a, c=c: PerHeadFuture(*a, c, nows)) for m, c in costs.items()},
-        }
-        if "cellout" in args.modes:
-            sims["cellout"] = lambda *a: CellFuture(*a, costs["futureout"], nows)
-        sims["cellsnap"] = lambda *a: CellMerge(*a, model.rope, merge=False)
-        sims["cellmerge"] = lambda *a: CellMerge(*a, model.rope, merge=True)
-        runs = []  # the rows' modes: globalout once per floor
-        for mode in args.modes:
-            if mode != "globalout":
-                runs.append(mode)
-                continue
-            for f in args.floors:
-                runs.append(f"globalout:{f:g}")
-                sims[runs[-1]] = lambda *a, f=f: PerHeadFuture(*a, costs["futureout"], nows, f)
-        for cap in args.caps:
-            for mode in tqdm(runs, desc=f"cap {cap:g}", unit="mode"):
-                union = None
-                if mode in sims:
-                    lp, held, union = per_head(
-                        model, tokens, kq.PREFILL, cap, args.every, sims[mode]
-                    )
-                else:
-                    press = make_press("snapkv:0.5") if mode == "snapkv" else None  # ratio unused
-                    press = press or FutureAttention(queries, args.every)
-                    lp, held = kq.pressed_logprobs(model, "fp32", tokens, press, cap, args.every)
-                q = kq.quality([lp], [tokens], [base])
-                rows.append({"mode": mode, "cap": cap, "held": held, "held_union": union, **q})
-                rows[-1]["dppl_pct"] = 100 * (q["ppl"] / ppl - 1)
-                print(table(rows[-1:], list(rows[-1])), flush=True)
-    print(f"\nunpressed fp32 PPL {ppl:.3f}\n{table(rows, list(rows[0]))}")
-    path = write_json(args.json, {"ppl": ppl, "every": args.every, "rows": rows})
+        for w in range(args.windows):
+            win = tokens[w * kq.WINDOW : (w + 1) * kq.WINDOW]
+            per_window.append(window_rows(model, win, args))
+    rows = [pooled([r[i] for r in per_window]) for i in range(len(per_window[0]))]
+    ppl = math.exp(statistics.fmean(math.log(r[0]["base_ppl"]) for r in per_window))
+    print(f"\nunpressed fp32 PPL {ppl:.3f} ({args.windows} windows)\n{table(rows, COLS)}")
+    out = {"ppl": ppl, "every": args.every, "windows": args.windows, "rows": rows}
+    path = write_json(args.json, out)
     print(f"wrote {path}")
-    plot(rows, RESULTS / f"{args.json}.png")
+    plot(rows, RESULTS / f"{args.json}.png", args.windows)
     return 0
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+COLS = ["mode", "cap", "held", "held_union", "ppl", "kl", "top1", "dppl_pct"]
+
+
+def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (mode, cap) over every window: kq.quality's pooling (each window scores the same
+    count of tokens, so the mean log-perplexity, KL and top-1), each window's perplexity kept."""
+    first = rows[0]
+    mean = {k: statistics.fmean(r[k] for r in rows) for k in ("held", "kl", "top1")}
+    unions = [r["held_union"] for r in rows]
+    log_ppl = statistics.fmean(math.log(r["ppl"]) for r in rows)
+    base = statistics.fmean(math.log(r["base_ppl"]) for r in rows)
+    return {
+        "mode": first["mode"],
+        "cap": first["cap"],
+        **mean,
+        "held_union": None if None in unions else statistics.fmean(unions),
+        "ppl": math.exp(log_ppl),
+        "dppl_pct": 100 * (math.exp(log_ppl - base) - 1),
+        "window_ppl": [r["ppl"] for r in rows],
+        "window_dppl_pct": [r["dppl_pct"] for r in rows],
+    }
+
+
+def window_rows(model: Llama, tokens: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (cap, mode) of one window, against its unpressed cache."""
+    from kvcache.press import make_press
+
+    rows: list[dict[str, Any]] = []
+    base, queries, kv = unpressed(model, tokens, kq.PREFILL)
+    ppl = kq.quality([base], [tokens], [base])["ppl"]
+    nows = press_times(kq.PREFILL, len(tokens), args.every)
+    wo = [layer.wo for layer in model.weights.layers]
+    with_out = {"cellout", "globalout"} & set(args.modes)
+    need = set(args.modes) | ({"futureout"} if with_out else set())
+    costs = {m: future_costs(queries, kv, wo, nows, m) for m in FUTURE if m in need}
+    sims: dict[str, Callable[..., PerHead]] = {
+        "perhead": PerHead,
+        "headh2o": PerHeadH2O,
+        "headout": lambda *a: PerHeadOut(*a, wo, model.config.head_dim),
+        "headoracle": lambda *a: PerHeadOracle(*a, queries, args.every),
+        **{m: (lambda *a, c=c: PerHeadFuture(*a, c, nows)) for m, c in costs.items()},
+    }
+    if "cellout" in args.modes:
+        sims["cellout"] = lambda *a: CellFuture(*a, costs["futureout"], nows)
+    sims["cellsnap"] = lambda *a: CellMerge(*a, model.rope, merge=False)
+    sims["cellmerge"] = lambda *a: CellMerge(*a, model.rope, merge=True)
+    runs = []  # the rows' modes: globalout once per floor
+    for mode in args.modes:
+        if mode != "globalout":
+            runs.append(mode)
+            continue
+        for f in args.floors:
+            runs.append(f"globalout:{f:g}")
+            sims[runs[-1]] = lambda *a, f=f: PerHeadFuture(*a, costs["futureout"], nows, f)
+    for cap in args.caps:
+        for mode in tqdm(runs, desc=f"cap {cap:g}", unit="mode"):
+            union = None
+            if mode in sims:
+                lp, held, union = per_head(model, tokens, kq.PREFILL, cap, args.every, sims[mode])
+            else:
+                press = make_press("snapkv:0.5") if mode == "snapkv" else None  # ratio unused
+                press = press or FutureAttention(queries, args.every)
+                lp, held = kq.pressed_logprobs(model, "fp32", tokens, press, cap, args.every)
+            q = kq.quality([lp], [tokens], [base])
+            rows.append({"mode": mode, "cap": cap, "held": held, "held_union": union, **q})
+            rows[-1].update(dppl_pct=100 * (q["ppl"] / ppl - 1), base_ppl=ppl)
+            print(table(rows[-1:], COLS), flush=True)
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path, windows: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -596,7 +645,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set(
         xlabel="cells kept / tokens seen",
         ylabel="ΔPPL % vs the unpressed cache",
-        title="SmolLM2-135M, decode-time pressing: the press's choice against the budget",
+        title="SmolLM2-135M, decode-time pressing: the press's choice against the budget"
+        + (f"\n(license texts, {windows} windows of 2,048 tokens, pooled)" if windows > 1 else ""),
     )
     ax.grid(alpha=0.3)
     ax.legend()

@@ -337,3 +337,30 @@ def test_merged_rows_are_the_token_weighted_means_of_the_most_alike_rows(
     w = torch.softmax(keys[seen, 0] @ q[0, 0].double() / c.head_dim**0.5 + bias, dim=0)
     assert torch.allclose(out[0, 0].double(), w @ values[seen, 0], atol=1e-5)
     assert bool((sim.tokens[0, 0] > 1).any()) == merge
+
+
+def test_windows_pool_as_one_quality_over_all_their_scored_tokens() -> None:
+    """``--windows``: each (mode, cap) pooled over windows equals ``kv_quality.quality`` over
+    every window's scored tokens at once, against the unpressed runs pooled the same way."""
+    vocab, scored = 40, kq.WINDOW - kq.PREFILL
+    gen = torch.Generator().manual_seed(0)
+    wins = [[int(t) for t in torch.randint(vocab, (kq.WINDOW,), generator=gen)] for _ in range(3)]
+
+    def lps() -> list[torch.Tensor]:
+        logits = [torch.randn(scored, vocab, generator=gen, dtype=torch.float64) for _ in wins]
+        return [torch.log_softmax(x * (1 + i), -1) for i, x in enumerate(logits)]
+
+    base, pressed = lps(), lps()
+    rows = []
+    for lp, b, win, held in zip(pressed, base, wins, (0.25, 0.3, 0.35), strict=True):
+        q, ref = kq.quality([lp], [win], [b]), kq.quality([b], [win], [b])
+        rows.append({"mode": "m", "cap": 0.25, "held": held, "held_union": None, **q})
+        rows[-1].update(dppl_pct=100 * (q["ppl"] / ref["ppl"] - 1), base_ppl=ref["ppl"])
+    got = pb.pooled(rows)
+    want, unpressed = kq.quality(pressed, wins, base), kq.quality(base, wins, base)
+    assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-12)
+    assert got["kl"] == pytest.approx(want["kl"], rel=1e-12)
+    assert got["top1"] == pytest.approx(want["top1"], rel=1e-12)
+    assert got["dppl_pct"] == pytest.approx(100 * (want["ppl"] / unpressed["ppl"] - 1), rel=1e-9)
+    assert got["held"] == pytest.approx(0.3) and got["held_union"] is None
+    assert got["window_dppl_pct"] == [r["dppl_pct"] for r in rows]
