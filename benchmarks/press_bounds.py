@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             win = tokens[w * kq.WINDOW : (w + 1) * kq.WINDOW]
             per_window.append(window_rows(model, win, args))
     rows = [pooled([r[i] for r in per_window]) for i in range(len(per_window[0]))]
-    ppl = math.exp(statistics.fmean(math.log(r[0]["base_ppl"]) for r in per_window))
+    ppl = rows[0]["base_ppl"]
     print(f"\nunpressed fp32 PPL {ppl:.3f} ({args.windows} windows)\n{table(rows, COLS)}")
     out = {"ppl": ppl, "every": args.every, "windows": args.windows, "rows": rows}
     path = write_json(args.json, out)
@@ -578,6 +578,7 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
         **mean,
         "held_union": None if None in unions else statistics.fmean(unions),
         "ppl": math.exp(log_ppl),
+        "base_ppl": math.exp(base),  # the unpressed runs', pooled the same way
         "dppl_pct": 100 * (math.exp(log_ppl - base) - 1),
         "window_ppl": [r["ppl"] for r in rows],
         "window_dppl_pct": [r["dppl_pct"] for r in rows],

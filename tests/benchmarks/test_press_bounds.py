@@ -362,5 +362,6 @@ def test_windows_pool_as_one_quality_over_all_their_scored_tokens() -> None:
     assert got["kl"] == pytest.approx(want["kl"], rel=1e-12)
     assert got["top1"] == pytest.approx(want["top1"], rel=1e-12)
     assert got["dppl_pct"] == pytest.approx(100 * (want["ppl"] / unpressed["ppl"] - 1), rel=1e-9)
+    assert got["base_ppl"] == pytest.approx(unpressed["ppl"], rel=1e-12)
     assert got["held"] == pytest.approx(0.3) and got["held_union"] is None
     assert got["window_dppl_pct"] == [r["dppl_pct"] for r in rows]
