@@ -5,7 +5,9 @@ Protocol (issue 5): the Debian license texts (/usr/share/common-licenses, regula
 concatenated in sorted name order), first 8192 tokens, no BOS, in 4 fresh windows of 2048.
 Each window is a 1024-token prefill followed by 64-token cached chunks, and only tokens
 1024..2047 of each window are scored (4096 tokens), so every scored token reads the codec's
-stored K/V. Writes benchmarks/results/kv_quality.json and kv_quality.png.
+stored K/V. Writes benchmarks/results/OUT.json and OUT.png (``--out``, default kv_quality);
+with ``--press-decode`` the pressed rows' ΔPPL and total compression go to OUT_press.png
+(to OUT.png when fp32 is the only codec).
 
     python benchmarks/kv_quality.py                 # every codec
     python benchmarks/kv_quality.py --quick         # 1 window, fewer codecs
@@ -23,7 +25,11 @@ decode step; after the first scored step and every ``--every`` steps after it,
 tokens seen so far (the cap follows the history, so the prefill is pressed to CAP too).
 Each codec listed gets a pressed row, judged against the fp32 cache without a press;
 ``held_fraction`` is the mean share of the history the cache held over the scored tokens
-(CAP to CAP + every / history).
+(CAP to CAP + every / history), ``total_compression`` the mean of issue 14's total
+compression over them (``kvcache.press.total_compression``: fp16 bytes of the history so far
+/ the bytes the cache's cells hold, codes, scales and fp16 windows included): a press and a
+codec multiply, so a 4-bit codec capped at 3/4 of the history holds about 1/4 of its fp16
+bytes.
 
 ``--window N`` makes each window N tokens (up to SmolLM2's 8192): the last 1024 are scored
 as above, after a prefill of the other N - 1024 (decode-time pressing then caps a longer
@@ -137,11 +143,13 @@ def window_logprobs(
 
 def pressed_logprobs(
     model: Llama, codec: str, tokens: list[int], spec: str | Press, cap: float, every: int
-) -> tuple[torch.Tensor, float]:
+) -> tuple[torch.Tensor, float, float]:
     """Log-probabilities [SCORED, V] of one window (its last SCORED tokens) decoded one token per
-    step with the cache capped by a decode-time press (a spec, or a press object), and the mean
-    share of the history the cache held."""
-    from kvcache.press import make_press
+    step with the cache capped by a decode-time press (a spec, or a press object), the mean
+    share of the history the cache held and its mean total compression (issue 14's: fp16
+    bytes of the history / the bytes its cells hold, codes and windows included), both over
+    the scored steps."""
+    from kvcache.press import make_press, total_compression
 
     press = make_press(spec) if isinstance(spec, str) else spec
     if press.needs_model:  # snapout reads the output projections
@@ -149,7 +157,7 @@ def pressed_logprobs(
     window = len(tokens)
     prefill = window - SCORED
     cache = make_cache(model, codec, window, max_batch=prefill)
-    held = 0.0
+    held = compression = 0.0
     with press.observe(cache):
         batch = Batch.single(0, 0, prefill)
         out = [model.forward(tokens[:prefill], batch, cache, outputs=[prefill - 1])]
@@ -159,8 +167,10 @@ def pressed_logprobs(
             if (i - prefill) % every == 0:  # the cap follows the history: i + 1 tokens
                 press.during_decode(max_cells=int(cap * (i + 1)), every=1).step(cache, 0)
             held += len(cache.cells_of(0)) / (i + 1)
+            compression += total_compression(cache, 0, i + 1)
     cache.close()
-    return torch.log_softmax(torch.cat(out).double(), dim=-1), held / (window - 1 - prefill)
+    steps = window - 1 - prefill
+    return torch.log_softmax(torch.cat(out).double(), dim=-1), held / steps, compression / steps
 
 
 def quality(
@@ -203,9 +213,10 @@ def decode_pressing(
                     "press": spec,
                     "cap": args.cap,
                     "every": args.every,
-                    "held_fraction": sum(h for _, h in runs) / len(runs),
-                    **quality([lp for lp, _ in runs], wins, base),
-                    "window_ppl": window_ppl([lp for lp, _ in runs], wins, base),
+                    "held_fraction": statistics.fmean(h for _, h, _ in runs),
+                    "total_compression": statistics.fmean(c for _, _, c in runs),
+                    **quality([lp for lp, _, _ in runs], wins, base),
+                    "window_ppl": window_ppl([lp for lp, _, _ in runs], wins, base),
                 }
             )
     return rows
@@ -423,14 +434,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in pressed:
         r["dppl_pct"] = 100 * (r["ppl"] / fp32["ppl"] - 1)
     if pressed:
-        print(table(pressed, ["codec", "press", "cap", "every", "held_fraction", *QUALITY_COLS]))
+        cols = ["codec", "press", "cap", "every", "held_fraction", "total_compression"]
+        print(table(pressed, [*cols, *QUALITY_COLS]))
         for r in pressed:
             met = "met" if r["dppl_pct"] <= DECODE_PRESS_GOAL else "missed"
             if r["cap"] > DECODE_PRESS_CAP:  # more of the history held than the goal allows
                 met = "no verdict"
             print(
-                f"[{met}] {r['codec']} + {r['press']} capped at {r['cap']:g} of the history: "
-                f"ΔPPL {r['dppl_pct']:+.2f}% (issue 14: <= {DECODE_PRESS_GOAL:g}% at 1/4)"
+                f"[{met}] {r['codec']} + {r['press']} capped at {r['cap']:g} of the history "
+                f"({r['total_compression']:.2f}x total compression): ΔPPL {r['dppl_pct']:+.2f}% "
+                f"(issue 14: <= {DECODE_PRESS_GOAL:g}% at 1/4)"
             )
     path = write_json(
         args.out,
@@ -444,17 +457,19 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     print(f"wrote {path}")
-    if len(rows) > 1 or not pressed:
+    if len(rows) > 1:
         _plot(rows, RESULTS / f"{args.out}.png", windows)
-    else:  # the fp32 row alone has nothing to show: plot the presses instead
-        _plot_pressed(pressed, float(fp32["ppl"]), RESULTS / f"{args.out}.png", window)
+    if pressed:  # beside the codecs' plot, or instead of it (the fp32 row alone shows nothing)
+        name = f"{args.out}_press.png" if len(rows) > 1 else f"{args.out}.png"
+        _plot_pressed(pressed, float(fp32["ppl"]), RESULTS / name, window)
     return 0
 
 
 def _plot_pressed(
     pressed: list[dict[str, Any]], ppl: float, path: Path, window: int = WINDOW
 ) -> None:
-    """ΔPPL of each codec + decode-time press, bars, with the issue's goal as a line."""
+    """ΔPPL of each codec + decode-time press, bars labelled with their total compression,
+    with the issue's goal as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -463,13 +478,14 @@ def _plot_pressed(
     ranked = sorted(pressed, key=lambda r: float(r["dppl_pct"]))
     labels = [f"{r['press']}\n{r['codec']}" for r in ranked]
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.bar(labels, [float(r["dppl_pct"]) for r in ranked], color="tab:blue")
-    ax.axhline(DECODE_PRESS_GOAL, color="black", ls="--", lw=1, label="issue 14 goal")
+    bars = ax.bar(labels, [float(r["dppl_pct"]) for r in ranked], color="tab:blue")
+    ax.bar_label(bars, [f"{float(r['total_compression']):.2f}x" for r in ranked], fontsize=7)
+    ax.axhline(DECODE_PRESS_GOAL, color="black", ls="--", lw=1, label="issue 14 goal (at 1/4)")
     cap = float(ranked[0]["cap"]) if ranked else 0.0
     ax.set(
         ylabel=f"ΔPPL % vs the unpressed cache (PPL {ppl:.1f})",
-        title=f"SmolLM2-135M, decode-time pressing to {cap:g} of the history "
-        f"({window}-token windows, the last {SCORED} scored)",
+        title=f"SmolLM2-135M, decode-time pressing to {cap:g} of the history\n"
+        f"({window}-token windows, the last {SCORED} scored; labels: total compression)",
     )
     ax.tick_params(axis="x", labelsize=7)
     ax.legend()

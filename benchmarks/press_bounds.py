@@ -624,7 +624,7 @@ def window_rows(model: Llama, tokens: list[int], args: argparse.Namespace) -> li
             else:
                 press = make_press("snapkv:0.5") if mode == "snapkv" else None  # ratio unused
                 press = press or FutureAttention(queries, args.every)
-                lp, held = kq.pressed_logprobs(model, "fp32", tokens, press, cap, args.every)
+                lp, held, _ = kq.pressed_logprobs(model, "fp32", tokens, press, cap, args.every)
             q = kq.quality([lp], [tokens], [base])
             rows.append({"mode": mode, "cap": cap, "held": held, "held_union": union, **q})
             rows[-1].update(dppl_pct=100 * (q["ppl"] / ppl - 1), base_ppl=ppl)

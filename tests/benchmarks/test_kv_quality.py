@@ -82,6 +82,11 @@ def test_a_longer_window_scores_its_last_tokens_after_a_longer_prefill() -> None
     assert torch.allclose(lp, want, atol=1e-4, rtol=0)
     nll = -float(lp.gather(1, torch.tensor(tokens[-kq.SCORED :])[:, None]).sum())
     assert kq.quality([lp], [tokens], [lp])["ppl"] == pytest.approx(math.exp(nll / kq.SCORED))
-    pressed, held = kq.pressed_logprobs(model, "fp32", tokens, "streaming:0.5", 0.25, 16)
+    pressed, held, compression = kq.pressed_logprobs(
+        model, "fp32", tokens, "streaming:0.5", 0.25, 16
+    )
     assert pressed.shape == lp.shape and not torch.allclose(pressed, lp, atol=1e-3)
     assert 0.25 <= held < 0.25 + 16 / (window - kq.SCORED)  # capped at 1/4 of the history
+    # fp32 rows are twice fp16's bytes, so each step's compression is 0.5 / its held share:
+    # the mean is at least 0.5 / the mean share (Jensen), at most 0.5 / the smallest share
+    assert 0.5 / held <= compression < 0.5 / (0.25 - 1 / (window - kq.SCORED))
