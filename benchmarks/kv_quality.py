@@ -28,8 +28,8 @@ Each codec listed gets a pressed row, judged against the fp32 cache without a pr
 (CAP to CAP + every / history), ``total_compression`` the mean of issue 14's total
 compression over them (``kvcache.press.total_compression``: fp16 bytes of the history so far
 / the bytes the cache's cells hold, codes, scales and fp16 windows included): a press and a
-codec multiply, so a 4-bit codec capped at 3/4 of the history holds about 1/4 of its fp16
-bytes.
+codec multiply, less the codec's fixed fp16 window of recent rows (turbo4 capped at 5/8 of a
+2k window's history: 4.22x, README).
 
 ``--window N`` makes each window N tokens (up to SmolLM2's 8192): the last 1024 are scored
 as above, after a prefill of the other N - 1024 (decode-time pressing then caps a longer
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     print(f"wrote {path}")
-    if len(rows) > 1:
+    if len(rows) > 1 or not pressed:
         _plot(rows, RESULTS / f"{args.out}.png", windows)
     if pressed:  # beside the codecs' plot, or instead of it (the fp32 row alone shows nothing)
         name = f"{args.out}_press.png" if len(rows) > 1 else f"{args.out}.png"
