@@ -176,7 +176,7 @@ class FutureAttention(Press):
     def scores(self, ctx: Scoring) -> torch.Tensor:
         now = int(ctx.pos.max())
         out = [
-            coming_attention(self.future[layer], ctx.kv(layer)[0], now, self.every)
+            coming_attention(self.future[layer], ctx.keys(layer), now, self.every)
             for layer in ctx.layers()
         ]
         return torch.stack(out)  # [L, Hkv, n]

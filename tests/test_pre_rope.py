@@ -72,6 +72,8 @@ def test_storage_holds_unrotated_keys_and_remove_only_moves_positions():
     expected = rope_like(0, x[[0, 3, 4, 5]], torch.tensor([0, -2, -2, -2]))
     assert torch.allclose(keys, expected, atol=1e-5)
     assert torch.equal(values, x[[0, 3, 4, 5]])
+    assert torch.equal(cache.read_keys(0, cells), keys)  # rotated as read's, values untouched
+    assert torch.equal(cache.read_values(0, cells), values)
 
 
 def test_read_matches_get_and_checks_its_input():
@@ -81,10 +83,15 @@ def test_read_matches_get_and_checks_its_input():
     keys, values, _ = cache.update(0, x, x)
     got_k, got_v = cache.read(0, torch.tensor([4, 1]))
     assert torch.equal(got_k, keys[[4, 1]]) and torch.equal(got_v, values[[4, 1]])
-    with pytest.raises(InvalidArgumentError, match="cells"):
-        cache.read(0, torch.tensor([16]))
-    with pytest.raises(InvalidArgumentError, match="layer"):
-        cache.read(3, torch.tensor([0]))
+    assert torch.equal(cache.read_keys(0, slice(1, 5)), keys[1:5])
+    assert torch.equal(cache.read_values(0, slice(1, 5)), values[1:5])
+    for read in (cache.read, cache.read_keys, cache.read_values):
+        with pytest.raises(InvalidArgumentError, match="cells"):
+            read(0, torch.tensor([16]))
+        with pytest.raises(InvalidArgumentError, match="cells"):
+            read(0, slice(2, 17))
+        with pytest.raises(InvalidArgumentError, match="layer"):
+            read(3, torch.tensor([0]))
 
 
 def test_key_rope_choice_and_errors():

@@ -615,6 +615,25 @@ class CausalCache:
         """Decoded K/V of ``cells`` (a LongTensor or a slice) of ``layer``, keys rotated for
         the cells' positions as the model wrote them: [n, H, Dk], [n, H, Dv] in ``dtype``
         (views of the storage for a float codec of that dtype and a slice)."""
+        return self.read_keys(layer, cells), self.read_values(layer, cells)
+
+    def read_keys(self, layer: int, cells: Locs) -> torch.Tensor:
+        """``read``'s keys alone, without decoding the values (what a press scoring keys
+        reads): [n, H, Dk]."""
+        layer, cells, idx = self._read_args(layer, cells)
+        keys = self.storage.read_keys(layer, cells)
+        if self.key_rope == "pre":
+            pos = torch.from_numpy(self.cells.pos[idx]).to(self.device)
+            keys = self._rotate(layer, keys, pos, None)
+        return keys
+
+    def read_values(self, layer: int, cells: Locs) -> torch.Tensor:
+        """``read``'s values alone: [n, H, Dv]."""
+        layer, cells, _ = self._read_args(layer, cells)
+        return self.storage.read_values(layer, cells)
+
+    def _read_args(self, layer: int, cells: Locs) -> tuple[int, Locs, np.ndarray]:
+        """``read``'s checked layer, cells (int64 when a tensor) and cell ids."""
         self._check_open()
         layer = int_arg("layer", layer)
         if layer not in self.storage.layers:
@@ -623,19 +642,12 @@ class CausalCache:
             lo, hi = cells.start or 0, cells.stop
             if not 0 <= lo <= hi <= self.num_cells:
                 raise InvalidArgumentError("cells", cells, f"a slice of [0, {self.num_cells}]")
-            idx = np.arange(lo, hi)
-        else:
-            cells = cells.to(torch.int64)
-            idx = cells.cpu().numpy()
-            if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.num_cells):
-                raise InvalidArgumentError(
-                    "cells", idx.tolist()[:8], f"cell ids < {self.num_cells}"
-                )
-        keys, values = self.storage.read(layer, cells)
-        if self.key_rope == "pre":
-            pos = torch.from_numpy(self.cells.pos[idx]).to(self.device)
-            keys = self._rotate(layer, keys, pos, None)
-        return keys, values
+            return layer, cells, np.arange(lo, hi)
+        cells = cells.to(torch.int64)
+        idx = cells.cpu().numpy()
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.num_cells):
+            raise InvalidArgumentError("cells", idx.tolist()[:8], f"cell ids < {self.num_cells}")
+        return layer, cells, idx
 
     def layers(self) -> list[int]:
         """Layers that have storage (a put happened)."""

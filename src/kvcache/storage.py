@@ -126,8 +126,15 @@ class Storage:
     def read(self, layer: int, cells: Locs) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded K and V rows of ``cells`` as ``dtype`` (views for a float codec in that
         dtype when ``cells`` is a slice): [n, H, Dk], [n, H, Dv]."""
-        st = self._layer(layer)
-        return st.keys.decode(cells, self.dtype), st.values.decode(cells, self.dtype)
+        return self.read_keys(layer, cells), self.read_values(layer, cells)
+
+    def read_keys(self, layer: int, cells: Locs) -> torch.Tensor:
+        """Decoded K rows of ``cells`` only, as ``read``'s first: [n, H, Dk]."""
+        return self._layer(layer).keys.decode(cells, self.dtype)
+
+    def read_values(self, layer: int, cells: Locs) -> torch.Tensor:
+        """Decoded V rows of ``cells`` only, as ``read``'s second: [n, H, Dv]."""
+        return self._layer(layer).values.decode(cells, self.dtype)
 
     def layouts(self, layer: int) -> tuple[Layout, Layout]:
         st = self._layer(layer)

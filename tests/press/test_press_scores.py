@@ -73,14 +73,33 @@ def reference_scores(name: str, states: list[ref.LayerStates], theta: float) -> 
     ],
 )
 def test_scores_and_kept_cells_equal_kvpress(
-    name: str, history_model: Llama, tokens: list[int], states: list[ref.LayerStates]
+    name: str,
+    history_model: Llama,
+    tokens: list[int],
+    states: list[ref.LayerStates],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     press_name, _, options = name.partition(",")
     cache, press = prefill(history_model, tokens, f"{press_name}:{RATIO},{options}".rstrip(","))
     kept = int(T * (1 - RATIO))
     want = reference_scores(name, states, history_model.config.rope_theta)
+    decoded = {"keys": 0, "values": 0}  # layers whose K / V the scoring decoded
+    for side in decoded:
+        read = getattr(cache.storage, f"read_{side}")
+
+        def counted(*args: object, _read: object = read, _side: str = side) -> torch.Tensor:
+            decoded[_side] += 1
+            return _read(*args)  # type: ignore[operator, no-any-return]
+
+        monkeypatch.setattr(cache.storage, f"read_{side}", counted)
     got = press.scores(press.scoring(cache, 0, kept))
     torch.testing.assert_close(got.double().expand_as(want), want, rtol=1e-9, atol=1e-12)
+    layers = len(states)
+    # each layer's keys decoded once (none for streaming), values only for expected's norms
+    assert decoded == {
+        "keys": 0 if press_name == "streaming" else layers,
+        "values": layers if press_name == "expected" else 0,
+    }
     if name == "adakv":
         votes = sum(ref.adakv_selected(want[i], kept).sum(0) for i in range(len(states)))
         score = ref.cell_score(want)

@@ -75,20 +75,32 @@ class Scoring:
     keep: int  # cells to keep
     tokens: np.ndarray | None = None  # [n] the context's token ids by position, when given
     memo: dict[object, torch.Tensor] = field(default_factory=dict)  # per-press reusables
-    _reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    _values: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def layers(self) -> list[int]:
         return self.cache.layers()
 
-    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (rotated) and values of the cells [n, Hkv, D], float32 (float64 in a
-        float64 cache)."""
-        got = self._reads.get(layer)
+    def keys(self, layer: int) -> torch.Tensor:
+        """Keys (rotated) of the cells [n, Hkv, D], float32 (float64 in a float64 cache);
+        the values are not decoded for a press that reads keys alone."""
+        got = self._keys.get(layer)
         if got is None:
-            k, v = self.cache.read(layer, torch.from_numpy(self.cells))
-            got = (_wide(k), _wide(v))
-            self._reads = {layer: got}  # one layer at a time: memory stays one layer's
+            got = _wide(self.cache.read_keys(layer, torch.from_numpy(self.cells)))
+            self._keys = {layer: got}  # one layer at a time: memory stays one layer's
         return got
+
+    def values(self, layer: int) -> torch.Tensor:
+        """Values of the cells [n, Hkv, D], as ``keys``."""
+        got = self._values.get(layer)
+        if got is None:
+            got = _wide(self.cache.read_values(layer, torch.from_numpy(self.cells)))
+            self._values = {layer: got}
+        return got
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys`` and ``values``."""
+        return self.keys(layer), self.values(layer)
 
     def queries(self, layer: int) -> tuple[torch.Tensor, np.ndarray]:
         """Observed queries [w, Hq, D] float32 of this sequence and layer, and positions [w]."""

@@ -54,7 +54,7 @@ class ExpectedAttention(Press):
         return torch.stack([self._layer(ctx, layer) for layer in ctx.layers()])
 
     def _layer(self, ctx: Scoring, layer: int) -> torch.Tensor:
-        k, v = ctx.kv(layer)  # [n, Hkv, D]
+        k = ctx.keys(layer)  # [n, Hkv, D]
         n, hkv, d = k.shape
         mu, s = self._statistics(ctx, layer)  # [Hq, D], [Hq, D, D] float64
         mu, s = mu.to(k.dtype), s.to(k.dtype)  # scored in the keys' precision (ranking only)
@@ -67,7 +67,7 @@ class ExpectedAttention(Press):
         probs = torch.softmax(logits[:, tail], dim=-1)  # [Hq, n - sinks]
         out = probs.view(hkv, group, -1).mean(dim=1)  # [Hkv, n - sinks]
         if self.vnorm:
-            out = out * v[tail].norm(dim=-1).T
+            out = out * ctx.values(layer)[tail].norm(dim=-1).T
         full = torch.empty((hkv, n), dtype=out.dtype)
         full[:, tail] = out
         full[:, ~tail] = out.max() if out.numel() else 1.0

@@ -15,4 +15,4 @@ class KeyNorm(Press):
     name = "knorm"
 
     def scores(self, ctx: Scoring) -> torch.Tensor:
-        return torch.stack([-ctx.kv(layer)[0].norm(dim=-1).T for layer in ctx.layers()])
+        return torch.stack([-ctx.keys(layer).norm(dim=-1).T for layer in ctx.layers()])

@@ -30,7 +30,7 @@ def window_attention(ctx: Scoring, layer: int) -> tuple[torch.Tensor, np.ndarray
     """attn [Hq, w, n] of the observed rows over the cells, and the window mask [n] (cells
     that hold the observed rows' own tokens)."""
     q, qpos = ctx.queries(layer)  # [w, Hq, D], [w]
-    k, _ = ctx.kv(layer)  # [n, Hkv, D]
+    k = ctx.keys(layer)  # [n, Hkv, D]
     (w, hq, d), hkv = q.shape, k.shape[1]
     qg = q.reshape(w, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)  # [Hkv, G*w, D]
     logits = (qg @ k.permute(1, 2, 0)).view(hq, w, -1) / math.sqrt(d)  # [Hq, w, n]
@@ -65,7 +65,7 @@ class SnapKV(Press):
 
     def _layer(self, ctx: Scoring, layer: int) -> torch.Tensor:
         attn, _ = window_attention(ctx, layer)  # [Hq, w, n]
-        hkv = ctx.kv(layer)[0].shape[1]
+        hkv = ctx.keys(layer).shape[1]
         window = observed_cells(ctx, layer)  # [n]
         prompt = torch.from_numpy(~window)
         s = attn.mean(dim=1)[:, prompt]  # [Hq, m]

@@ -117,7 +117,7 @@ class SnapOut(Press):
 
     def _layer(self, ctx: Scoring, layer: int, factor: torch.Tensor) -> torch.Tensor:
         attn, _ = window_attention(ctx, layer)  # [Hq, w, n]
-        _, v = ctx.kv(layer)  # [n, Hkv, D]
+        v = ctx.values(layer)  # [n, Hkv, D]
         (hq, _, n), hkv = attn.shape, v.shape[1]
         rt = factor.to(v.dtype)  # R^T [Hq, D, D]
         vh = v.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # [Hq, n, D]

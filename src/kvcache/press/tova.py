@@ -25,7 +25,7 @@ class TOVA(Press):
 
     def _layer(self, ctx: Scoring, layer: int) -> torch.Tensor:
         attn, window = window_attention(ctx, layer)  # [Hq, 1, n], [n]
-        hkv = ctx.kv(layer)[0].shape[1]
+        hkv = ctx.keys(layer).shape[1]
         s = attn.mean(dim=(0, 1))  # [n]
         top = s[torch.from_numpy(~window)].max() if (~window).any() else s.max()
         s = torch.where(torch.from_numpy(window), top, s)
