@@ -224,7 +224,7 @@ class PerHead:
     def scores(self, layer: int, n: int) -> torch.Tensor:
         """SnapKV's scores [Hkv, n] of each head over the cells it sees (the observed window's
         own cells: +inf, kept)."""
-        keys = self.cache.read(layer, slice(0, n))[0]  # one sequence, cells = positions
+        keys = self.cache.read_keys(layer, slice(0, n))  # one sequence, cells = positions
         q = self.q[layer]
         (w, hq, d), hkv = q.shape, keys.shape[1]
         logits = torch.einsum("whgd,nhd->hgwn", q.view(w, hkv, hq // hkv, d).to(keys.dtype), keys)
@@ -257,7 +257,7 @@ class PerHeadOracle(PerHead):
         self.future, self.every = future, every
 
     def scores(self, layer: int, n: int) -> torch.Tensor:
-        keys = self.cache.read(layer, slice(0, n))[0]  # [n, Hkv, D]
+        keys = self.cache.read_keys(layer, slice(0, n))  # [n, Hkv, D]
         seen = self.valid[layer][:, :n]
         return coming_attention(self.future[layer], keys, n - 1, self.every, seen)  # [Hkv, n]
 

@@ -615,22 +615,26 @@ class CausalCache:
         """Decoded K/V of ``cells`` (a LongTensor or a slice) of ``layer``, keys rotated for
         the cells' positions as the model wrote them: [n, H, Dk], [n, H, Dv] in ``dtype``
         (views of the storage for a float codec of that dtype and a slice)."""
-        return self.read_keys(layer, cells), self.read_values(layer, cells)
+        layer, cells, idx = self._read_args(layer, cells)
+        return self._keys_read(layer, cells, idx), self.storage.read_values(layer, cells)
 
     def read_keys(self, layer: int, cells: Locs) -> torch.Tensor:
         """``read``'s keys alone, without decoding the values (what a press scoring keys
         reads): [n, H, Dk]."""
-        layer, cells, idx = self._read_args(layer, cells)
-        keys = self.storage.read_keys(layer, cells)
-        if self.key_rope == "pre":
-            pos = torch.from_numpy(self.cells.pos[idx]).to(self.device)
-            keys = self._rotate(layer, keys, pos, None)
-        return keys
+        return self._keys_read(*self._read_args(layer, cells))
 
     def read_values(self, layer: int, cells: Locs) -> torch.Tensor:
         """``read``'s values alone: [n, H, Dv]."""
         layer, cells, _ = self._read_args(layer, cells)
         return self.storage.read_values(layer, cells)
+
+    def _keys_read(self, layer: int, cells: Locs, idx: np.ndarray) -> torch.Tensor:
+        """Checked cells' keys, rotated for their positions when stored before RoPE."""
+        keys = self.storage.read_keys(layer, cells)
+        if self.key_rope == "pre":
+            pos = torch.from_numpy(self.cells.pos[idx]).to(self.device)
+            keys = self._rotate(layer, keys, pos, None)
+        return keys
 
     def _read_args(self, layer: int, cells: Locs) -> tuple[int, Locs, np.ndarray]:
         """``read``'s checked layer, cells (int64 when a tensor) and cell ids."""

@@ -6,6 +6,8 @@ both: the query window must keep the newest rows across forwards."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -87,9 +89,11 @@ def test_scores_and_kept_cells_equal_kvpress(
     for side in decoded:
         read = getattr(cache.storage, f"read_{side}")
 
-        def counted(*args: object, _read: object = read, _side: str = side) -> torch.Tensor:
+        def counted(
+            *args: object, _read: Callable[..., torch.Tensor] = read, _side: str = side
+        ) -> torch.Tensor:
             decoded[_side] += 1
-            return _read(*args)  # type: ignore[operator, no-any-return]
+            return _read(*args)
 
         monkeypatch.setattr(cache.storage, f"read_{side}", counted)
     got = press.scores(press.scoring(cache, 0, kept))

@@ -210,7 +210,7 @@ def repeat_attention(
     """[Hkv, c]: the largest attention the repeat's queries give each of the c chunk cells,
     over ``keys`` = sinks, the chunk's cells, the repeat's cells (module docstring)."""
     q, _ = window.queries(seq, layer)  # [r, Hq, D]
-    k, _ = cache.read(layer, torch.from_numpy(keys))  # [s + c + r, Hkv, D]
+    k = cache.read_keys(layer, torch.from_numpy(keys))  # [s + c + r, Hkv, D]
     k = k.to(torch.promote_types(k.dtype, torch.float32))
     q = q.to(k.dtype)
     (r, hq, d), hkv = q.shape, k.shape[1]
