@@ -210,3 +210,42 @@ def test_prefix_store_none_reuses_the_pool_only(history_model: Llama):
         assert back.generated == greedy(history_model, [*prompt, 2], STEPS)
         loaded[spec] = engine.stats.store_tokens
     assert loaded == {"none": 0, "memory": 32}
+
+
+def test_a_pressed_request_spills_and_resumes_at_its_next_position(
+    history_model: Llama, monkeypatch: pytest.MonkeyPatch
+):
+    """snapkv:0.5 leaves gaps in a request's positions (20 of a 40-token prompt kept), so a
+    spilled request's cell count is not where it goes on: 4 requests of 40 + 40 tokens in
+    one sequence's worth of cells (80) spill after their press, and every parked next
+    position is the one the cache reported for the sequence before it was spilled."""
+    seen: list[tuple[int, int, int]] = []  # (cache's next position, cells, parked's)
+    preempt = Spill.preempt
+
+    def spy(self: Spill, cache, request: Request) -> None:  # type: ignore[no-untyped-def]
+        nxt, cells = cache.next_position(request.seq), len(cache.cells_of(request.seq))
+        preempt(self, cache, request)
+        assert isinstance(request.parked, Parked)
+        seen.append((nxt, cells, request.parked.next_position))
+
+    monkeypatch.setattr(Spill, "preempt", spy)
+    ps = [random_prompt(40, seed=50 + i) for i in range(4)]
+
+    def pressed(**sizes: int) -> tuple[Engine, list[list[int]]]:
+        cfg = EngineConfig(capacity=80, max_sequences=4, max_batch=64, press="snapkv:0.5", **sizes)
+        engine = Engine(history_model, config=cfg)
+        reqs = [engine.submit(p, RequestParams(max_tokens=40)) for p in ps]
+        engine.run()
+        assert all(r.finish_reason == "length" for r in reqs)
+        return engine, [r.generated for r in reqs]
+
+    engine, got = pressed(pool_sequences=1)
+    s = engine.stats
+    assert s.pressed_cells == 4 * 20
+    assert s.spills == s.restores == s.preemptions == len(seen) > 0
+    assert all(cells < nxt for nxt, cells, _ in seen)  # spilled after the press: gaps
+    assert [parked for _, _, parked in seen] == [nxt for nxt, _, _ in seen]
+    seen.clear()
+    roomy_engine, want = pressed()
+    assert roomy_engine.stats.preemptions == 0 and not seen
+    assert got == want
