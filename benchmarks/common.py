@@ -1,98 +1,26 @@
-"""Shared benchmark plumbing: timing, read bandwidth, result files, tables, worker
-subprocesses, the transformers checkpoint, and prompts from the Debian license texts."""
+"""What the benchmarks feed the models: prompts from the Debian license texts, the
+transformers checkpoint, greedy agreement and a token clock (how runs are run and recorded
+is ``harness``)."""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# re-exported for the scripts that still import them from here (whisper.py, hf_generate.py)
+from harness import (  # noqa: F401
+    RESULTS,
+    median_seconds,
+    read_bandwidth,
+    spawn_worker,
+    table,
+    write_json,
+)
+
 LICENSES = Path("/usr/share/common-licenses")
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` unmeasured ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def read_bandwidth(nbytes: int = 400_000_000, repeats: int = 5) -> float:
-    """Bytes/s of a plain torch sum over a float32 buffer of ``nbytes`` (far larger than the
-    CPU's caches) with torch's current thread count: the machine's read bandwidth."""
-    buffer = torch.ones(nbytes // 4)  # touched once: no page faults in the timed sums
-    seconds = median_seconds(buffer.sum, repeats)
-    return buffer.numel() * 4 / seconds
-
-
-def machine() -> dict[str, object]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "processor": platform.processor() or platform.machine(),
-    }
-
-
-def write_json(name: str, payload: dict[str, object]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
-    return path
-
-
-def table(rows: list[dict[str, object]], columns: list[str]) -> str:
-    """A plain-text table of ``rows`` (dicts) with the given column order."""
-    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))
-    body = ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join([line, "-" * len(line), *body])
-
-
-def _fmt(v: object) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
-# ---- worker subprocesses (one measurement per process: clean peak RSS) ---------------
-def spawn_worker(
-    script: str, args: list[str], threads: int, label: str, echo: bool = False
-) -> dict[str, Any]:
-    """Run ``python script args`` with ``threads`` OpenMP threads; its last ``RESULT {json}``
-    line, parsed. Raises RuntimeError with the worker's stderr tail when it fails.
-    ``echo``: the worker's stderr goes straight to ours (progress of a long worker)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, script, *args],
-        stdout=subprocess.PIPE,
-        stderr=None if echo else subprocess.PIPE,
-        text=True,
-        env=env,
-        check=False,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "(its stderr is above)" if echo else proc.stderr[-3000:]
-        raise RuntimeError(f"worker {label} failed (exit {proc.returncode}):\n{tail}")
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    return result
 
 
 def hf_checkpoint(folder: Path) -> Path:
