@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, median_seconds, table, write_json  # noqa: E402
-from kvcache import Batch, CausalCache  # noqa: E402
+from harness import median_seconds, plot, table, write_json
+from kvcache import Batch, CausalCache
 
 LAYERS, HEADS, DIM = 30, 3, 64
 
@@ -112,24 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         "storage_in_place",
     ]
     print(table(rows, cols))
-    path = write_json(
-        "cache_step", {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "rows": rows}
-    )
-    print(f"wrote {path}")
-    _plot(rows)
+    write_json("cache_step", {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "rows": rows})
+    plot("cache_step", lambda fig, ax: _draw(ax, rows), figsize=(6, 4), dpi=120)
     return 0
 
 
-def _plot(rows: list[dict[str, object]]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
+def _draw(ax: Any, rows: list[dict[str, object]]) -> None:
     for seqs, style in ((1, "-"), (8, "--")):
         sel = [r for r in rows if r["seqs"] == seqs]
         hs = [r["history"] for r in sel]
@@ -143,10 +130,6 @@ def _plot(rows: list[dict[str, object]]) -> None:
         title="Cache work per decode step",
     )
     ax.legend()
-    fig.tight_layout()
-    out = RESULTS / "cache_step.png"
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ folder on ``sys.path``, so ``import harness`` needs no path edit. A script, whol
         write_json("sum_vs_mean", {"rounds": args.rounds, "rows": rows})  # + "machine"
         plot("sum_vs_mean", lambda fig, ax: ax.bar([r["op"] for r in rows], [r["ms"] for r in rows]))
 
-A result name (``"sum_vs_mean"``) means benchmarks/results/sum_vs_mean.json / .png; a
-``Path`` is used as given. Both print the path they wrote.
+A result name (``"sum_vs_mean"``) means benchmarks/results/sum_vs_mean.json / .png (or in
+``$KVCACHE_RESULTS`` when set); a ``Path`` is used as given. Both print the path they wrote.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from typing import Any, TypeVar
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# KVCACHE_RESULTS: another folder for the results (a smoke run leaves the kept ones alone)
+RESULTS = Path(os.environ.get("KVCACHE_RESULTS") or Path(__file__).resolve().parent / "results")
 T = TypeVar("T")
 # the run starts when its script imports the harness: the load and the clock from then on
 _STARTED = (time.perf_counter(), os.getloadavg())

@@ -2,8 +2,8 @@
 
 Every weight shape of a SmolLM2-135M and a Whisper tiny.en decode step, at 1 to 64 input rows
 (one row per sequence decoded together), timed in one process, interleaved call by call. It
-reports milliseconds, the kernel's speedup over torch, the weight read rate against the
-machine's read bandwidth (a plain sum over 400 MB, same run), and which rows ``linear`` sends
+reports milliseconds, the kernel's speedup over torch (the median of per-round ratios), the
+weight read rate against the machine's read bandwidth (a plain sum over 400 MB, same run), and which rows ``linear`` sends
 to the kernel (``MAX_ROWS``): the crossover this table shows is where that constant comes from.
 
     python benchmarks/linear_rows.py            # median of 20 calls per cell, PNG beside
@@ -13,17 +13,15 @@ to the kernel (``MAX_ROWS``): the crossover this table shows is where that const
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from pathlib import Path
+import statistics
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, median_seconds, read_bandwidth, table, write_json  # noqa: E402
-from kvcache.kernels.build import extension  # noqa: E402
-from kvcache.kernels.linear import MAX_ROWS  # noqa: E402
+from harness import paired_ratio, plot, read_bandwidth, table, take_turns, timed, write_json
+from kvcache.kernels.build import extension
+from kvcache.kernels.linear import MAX_ROWS
 
 # (model, weight, out features, in features)
 SHAPES = [
@@ -51,10 +49,11 @@ def rows_for(
     out = []
     for m in rows:
         x = torch.randn(m, k, generator=g)
-        t_kernel = median_seconds(
-            lambda x=x: ext.linear_rows(x, w, empty, empty, empty, 0.0, False), repeats, warmup=2
+        kernel = timed(lambda x=x: ext.linear_rows(x, w, empty, empty, empty, 0.0, False))
+        t = take_turns(
+            {"kernel": kernel, "torch": timed(lambda x=x: F.linear(x, w))}, repeats, warm=2
         )
-        t_torch = median_seconds(lambda x=x: F.linear(x, w), repeats, warmup=2)
+        t_kernel, t_torch = statistics.median(t["kernel"]), statistics.median(t["torch"])
         out.append(
             {
                 "model": model,
@@ -63,7 +62,7 @@ def rows_for(
                 "rows": m,
                 "kernel_ms": t_kernel * 1e3,
                 "torch_ms": t_torch * 1e3,
-                "speedup": t_torch / t_kernel,
+                "speedup": paired_ratio(t["torch"], t["kernel"]),
                 # the weight's bytes over the kernel's time, as a fraction of the read bandwidth
                 "kernel_bw": n * k * 4 / t_kernel / bandwidth,
                 "served": m <= MAX_ROWS,
@@ -72,13 +71,7 @@ def rows_for(
     return out
 
 
-def plot(rows: list[dict[str, object]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+def draw(ax: Any, rows: list[dict[str, object]]) -> None:
     for model, name, n, k in SHAPES:
         mine = [r for r in rows if r["weight"] == name and r["model"] == model]
         ax.plot(
@@ -94,8 +87,6 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     ax.set_ylabel("F.linear time / kernel time")
     ax.set_title(f"decode-sized linear layers, {torch.get_num_threads()} threads")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 3 if args.quick else args.repeats
     counts = (1, 8, 32) if args.quick else ROWS
     bandwidth = read_bandwidth()
-    load_before = os.getloadavg()
     rows = [
         r
         for model, name, n, k in SHAPES
@@ -123,21 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"served cells where torch was faster: {len(slower)} of {sum(bool(r['served']) for r in rows)}"
     )
-    path = write_json(
-        "linear_rows",
-        {
-            "repeats": repeats,
-            "read_bandwidth_gb_s": bandwidth / 1e9,
-            "max_rows": MAX_ROWS,
-            "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
-            "rows": rows,
-        },
-    )
-    print(f"wrote {path}")
+    payload = {"repeats": repeats, "read_bandwidth_gb_s": bandwidth / 1e9, "max_rows": MAX_ROWS}
+    write_json("linear_rows", {**payload, "rows": rows})
     if not args.no_plot:
-        plot(rows, RESULTS / "linear_rows.png")
-        print(f"wrote {RESULTS / 'linear_rows.png'}")
+        plot("linear_rows", lambda fig, ax: draw(ax, rows), figsize=(8, 5))
     return 0
 
 

@@ -18,15 +18,12 @@ among the candidates: int4/kivi's ``pack`` = ``pack_bytes``, ``unpack`` = ``unpa
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from pathlib import Path
+import statistics
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, table, write_json  # noqa: E402
-from kvcache.codecs.pack import PACKERS, UNPACKERS, candidates, pack  # noqa: E402
+from harness import table, take_turns, timed, write_json
+from kvcache.codecs.pack import PACKERS, UNPACKERS, candidates, pack
 
 # (what uses it, rows, codes per row, widths): rows x codes is one call's codes
 SHAPES = [
@@ -42,19 +39,20 @@ COLUMNS = ["shape", "bits", "op", "strategy", "chosen", "us", "vs_chosen"]
 
 
 def rows_for(label: str, n: int, count: int, bits: int, repeats: int) -> list[dict[str, object]]:
-    """Every candidate of one width on one shape, timed side by side."""
+    """Every candidate of one width on one shape, taking turns call by call."""
     g = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 1 << bits, (n, count), generator=g, dtype=torch.uint8)
     packed = pack(codes, bits)
     packers, unpackers = candidates(bits)
-    timed: list[tuple[str, str, bool, float]] = []
-    for p in packers:
-        s = median_seconds(lambda p=p: p(codes, bits), repeats, warmup=3)
-        timed.append(("pack", p.__name__, p is PACKERS[bits], s))
-    for u in unpackers:
-        s = median_seconds(lambda u=u: u(packed, bits, count), repeats, warmup=3)
-        timed.append(("unpack", u.__name__, u is UNPACKERS[bits], s))
-    chosen = {op: s for op, _, is_chosen, s in timed if is_chosen}
+    calls = {("pack", p.__name__, p is PACKERS[bits]): lambda p=p: p(codes, bits) for p in packers}
+    calls |= {
+        ("unpack", u.__name__, u is UNPACKERS[bits]): lambda u=u: u(packed, bits, count)
+        for u in unpackers
+    }
+    keys = {f"{op} {name}": (op, name, is_chosen) for op, name, is_chosen in calls}
+    seconds = take_turns({k: timed(calls[key]) for k, key in keys.items()}, repeats, warm=3)
+    medians = [(*keys[k], statistics.median(t)) for k, t in seconds.items()]
+    chosen = {op: s for op, _, is_chosen, s in medians if is_chosen}
     return [
         {
             "shape": label,
@@ -65,7 +63,7 @@ def rows_for(label: str, n: int, count: int, bits: int, repeats: int) -> list[di
             "us": s * 1e6,
             "vs_chosen": s / chosen[op],
         }
-        for op, name, is_chosen, s in timed
+        for op, name, is_chosen, s in medians
     ]
 
 
@@ -88,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"candidates > 10 % faster than the chosen one: {len(beaten)}")
     for r in beaten:
         print(f"  {r['shape']} {r['bits']} bits {r['op']}: {r['strategy']}")
-    path = write_json(
-        "pack_speed",
-        {"repeats": repeats, "load_avg_1min": os.getloadavg()[0], "rows": rows},
-    )
-    print(f"wrote {path}")
+    write_json("pack_speed", {"repeats": repeats, "rows": rows})
     return 0
 
 
