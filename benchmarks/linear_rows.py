@@ -3,8 +3,9 @@
 Every weight shape of a SmolLM2-135M and a Whisper tiny.en decode step, at 1 to 64 input rows
 (one row per sequence decoded together), timed in one process, interleaved call by call. It
 reports milliseconds, the kernel's speedup over torch (the median of per-round ratios), the
-weight read rate against the machine's read bandwidth (a plain sum over 400 MB, same run), and which rows ``linear`` sends
-to the kernel (``MAX_ROWS``): the crossover this table shows is where that constant comes from.
+weight read rate against the machine's read bandwidth (a plain sum over 400 MB, same run),
+and which rows ``linear`` sends to the kernel (``MAX_ROWS``): the crossover this table shows
+is where that constant comes from.
 
     python benchmarks/linear_rows.py            # median of 20 calls per cell, PNG beside
     python benchmarks/linear_rows.py --quick
