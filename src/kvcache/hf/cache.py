@@ -16,13 +16,20 @@ The first update of a forward places the B*T new tokens in every cell cache and 
 transformers builds the attention mask itself from :meth:`get_mask_sizes`, so the returned
 columns must be exactly positions ``kv_offset .. past + T - 1`` of each row, in order.
 Beam search and batch selection share cells between rows (``copy_prefix``), never copy K/V.
+
+Under ``attn_implementation="kvcache"`` (read from the config the cache was built from, at
+every forward) ``update`` only hands back the new rows (``kvcache.hf.attention``) and
+:meth:`attend` places, stores and attends inside the cell cache: padding slots are not
+stored (slot positions are kept, so windows and causality still count them), nothing is
+decoded for transformers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,6 +46,7 @@ from kvcache.errors import (
     KVCacheError,
     NotSupportedError,
 )
+from kvcache.hf.attention import NAME, CacheMask, PendingRows, softcapped_attention
 from kvcache.hf.layers import LayerSpec, cell_window, kv_offset, layer_specs, uniform_kv_shape
 from kvcache.hf.plan import ReadPlan
 from kvcache.hf.views import LayerView
@@ -65,7 +73,9 @@ class _Step:
     rows: int  # B
     tokens: int  # T: new tokens per row
     last_layer: int
-    plans: list[ReadPlan]  # one per group
+    plans: list[ReadPlan]  # one per group (empty when the cache attends itself)
+    take: torch.Tensor | None = None  # [N] of the B*T slots stored (None: all); "kvcache" only
+    prev_first: dict[int, int] | None = None  # KVCacheForTransformers._first before it
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,7 @@ class KVCacheForTransformers(Cache):
         for g, group in enumerate(self.groups):
             for layer in group.layers:
                 self._group_of[layer] = g
+        self._config = text  # its attn_implementation says who attends (read every forward)
         self._views = [LayerView(self, i, s) for i, s in enumerate(self.specs)]
         super().__init__(layers=list(self._views))
         self.caches: list[CausalCache] = []  # one per group, built by the first forward
@@ -130,6 +141,8 @@ class KVCacheForTransformers(Cache):
         self._seen = [0] * len(self.specs)  # tokens per row each layer has stored
         self._step: _Step | None = None
         self._next_seq = 0
+        self._inside: bool | None = None  # rows stored under "kvcache" (None: nothing stored)
+        self._first: dict[int, int] = {}  # sequence -> leading padding slots (not stored)
 
     # ---- the hot path ----------------------------------------------------------------
     def update(
@@ -150,9 +163,12 @@ class KVCacheForTransformers(Cache):
         """
         layer = self._layer(layer_idx)
         _check_states(key_states, value_states)
+        if self.attends_inside():
+            rows = PendingRows(self, layer, key_states, value_states)
+            return cast(torch.Tensor, rows), cast(torch.Tensor, rows)
         step = self._step
         if step is None or layer <= step.last_layer:
-            step = self._begin(key_states, value_states, _cache_position(args, kwargs))
+            step = self._begin(key_states, value_states, _cache_position(args, kwargs), None)
         self._check_layer(step, layer, key_states)
         g = self._group_of[layer]
         cache = self.caches[g]
@@ -168,32 +184,158 @@ class KVCacheForTransformers(Cache):
         self._views[layer].is_initialized = True
         return plan.apply(keys), plan.apply(values)
 
+    def attend(
+        self,
+        rows: PendingRows,
+        query: torch.Tensor,
+        mask: CacheMask,
+        scale: float | None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """The ``"kvcache"`` attention of one layer: store ``rows`` (returned by
+        :meth:`update`) and attend ``query`` [B, Hq, T, D] over each row's own cells in the
+        cell cache; returns [B, T, Hq, Dv] (zeros for padding slots). The first layer of a
+        forward places its tokens, padding slots excluded (``mask.padding``), with the
+        errors of :meth:`update`; NotSupportedError for padding that is not left padding
+        or that disagrees with what is stored. ``softcap`` (Gemma 2) attends in plain torch
+        over the decoded history: the kernels do not cap logits."""
+        layer = rows.layer
+        step = self._step
+        if step is None or layer <= step.last_layer:
+            step = self._begin(rows.key, rows.value, None, mask)
+        self._check_layer(step, layer, rows.key)
+        if query.shape[0] != step.rows or query.shape[2] != step.tokens:
+            raise DimensionMismatchError(
+                f"[{step.rows}, Hq, {step.tokens}, D]",
+                tuple(query.shape),
+                f"query of layer {layer}",
+            )
+        spec = self.specs[layer]
+        if spec.sliding and mask.window != spec.window:
+            raise NotSupportedError(
+                f"layer {layer} slides over {spec.window} tokens (config.sliding_window) but "
+                f"its mask over {mask.window}"
+            )
+        cache = self.caches[self._group_of[layer]]
+        q, k, v = _tokens(query), _tokens(rows.key), _tokens(rows.value)  # [B*T, H, D]
+        if step.take is not None:
+            q, k, v = q.index_select(0, step.take), k.index_select(0, step.take), v[step.take]
+        try:
+            if softcap is None:
+                out = cache.attention(layer, q, k, v, scale=scale)  # [N, Hq, Dv]
+            else:
+                cache.put(layer, k, v)
+                keys, values, visible = cache.get(layer)
+                s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+                out = softcapped_attention(q, keys, values, visible, s, float(softcap))
+        except Exception:
+            self._abort(step)
+            raise
+        self._seen[layer] = step.past + step.tokens
+        step.last_layer = layer
+        self._views[layer].is_initialized = True
+        if step.take is not None:
+            full = out.new_zeros((step.rows * step.tokens, *out.shape[1:]))
+            full[step.take] = out
+            out = full
+        return out.view(step.rows, step.tokens, *out.shape[1:])
+
+    def attends_inside(self) -> bool:
+        """Whether this forward attends in the cache: the config's attn_implementation is
+        ``"kvcache"`` (read each time: ``model.set_attn_implementation`` may change it)."""
+        return getattr(self._config, "_attn_implementation", None) == NAME
+
     def _begin(
-        self, states: torch.Tensor, values: torch.Tensor, cache_position: torch.Tensor | None
+        self,
+        states: torch.Tensor,
+        values: torch.Tensor,
+        cache_position: torch.Tensor | None,
+        mask: CacheMask | None,
     ) -> _Step:
-        """Place a forward's tokens in every cell cache and plan the reads (all or nothing)."""
+        """Place a forward's tokens in every cell cache and plan the reads (all or nothing).
+        ``mask`` given: the cache attends itself ("kvcache"), padding slots are not placed
+        and no reads are planned."""
         b, t = int(states.shape[0]), int(states.shape[2])
         past = self._length()
-        self._check_forward(b, t, past, cache_position)
+        inside = mask is not None
+        if self._inside is not None and self._inside != inside:
+            raise CallOrderError(
+                f"rows were stored with attn_implementation {'=' if self._inside else '!='} "
+                f"{NAME!r} and this forward runs {'=' if inside else '!='} {NAME!r}: the cache "
+                "stores padding only for the latter; reset() first"
+            )
+        self._check_forward(b, t, past, cache_position, inside)
+        prev = self._rows
+        firsts = self._leading_padding(mask, b, t, past) if mask is not None else None
         if not self.caches:
             self.caches = [self._new_cache(group, states) for group in self.groups]
             self._preallocate(states, values)
         self._check_placement(states)
-        prev = self._rows
         rows = prev if prev is not None else [self._new_seq() for _ in range(b)]
         positions = np.tile(np.arange(past, past + t, dtype=np.int64), b)  # [B*T], row-major
         seqs = np.repeat(np.asarray(rows, dtype=np.int64), t)  # [B*T]
+        take = None
+        if firsts is not None and any(f > past for f in firsts):
+            keep = (positions.reshape(b, t) >= np.asarray(firsts)[:, None]).reshape(-1)  # [B*T]
+            if not keep.any():
+                raise InvalidArgumentError("attention_mask", "all padding", "a forward with tokens")
+            idx = np.flatnonzero(keep)
+            positions, seqs = positions[idx], seqs[idx]
+            take = torch.from_numpy(idx).to(states.device)
         batch = Batch(positions.tolist(), seqs.tolist())
         self._step = None
         self._start_all(batch, rows, past)
         self._rows = rows
+        self._inside = inside
+        prev_first = dict(self._first)
+        if firsts is not None:
+            self._first.update(zip(rows, firsts, strict=True))
         end = past + t
-        plans = [
-            ReadPlan.build(c, rows, kv_offset(g.window, past), end)
-            for c, g in zip(self.caches, self.groups, strict=True)
-        ]
-        self._step = _Step(past, prev, b, t, -1, plans)
+        plans = (
+            []
+            if inside
+            else [
+                ReadPlan.build(c, rows, kv_offset(g.window, past), end)
+                for c, g in zip(self.caches, self.groups, strict=True)
+            ]
+        )
+        self._step = _Step(past, prev, b, t, -1, plans, take, prev_first)
         return self._step
+
+    def _leading_padding(self, mask: CacheMask, b: int, t: int, past: int) -> list[int]:
+        """Each row's leading padding slots after this forward (transformers' left padding),
+        checked against the mask's offsets and against what the rows already store."""
+        if (mask.batch_size, mask.q_offset, mask.q_length) != (b, past, t):
+            raise DimensionMismatchError(
+                f"a mask for {b} rows of {t} tokens after {past}",
+                f"{mask.batch_size} rows of {mask.q_length} after {mask.q_offset}",
+                "the 'kvcache' mask of this forward",
+            )
+        rows = self._rows
+        stored = [0] * b if rows is None else [self._first.get(s, 0) for s in rows]
+        pad = mask.padding
+        if pad is None or (not any(stored) and bool(pad.all())):
+            if any(f > 0 for f in stored):
+                raise NotSupportedError("rows hold left padding but this forward has no mask")
+            return [0] * b
+        if tuple(pad.shape) != (b, past + t):
+            raise InvalidArgumentError(
+                "attention_mask", tuple(pad.shape), f"[{b}, {past + t}]: one column per slot"
+            )
+        lead = (~pad).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B] leading False columns
+        if not bool((lead + pad.sum(dim=1) == past + t).all()):
+            raise NotSupportedError(
+                f"the {NAME!r} attention supports left padding (zeros before a row's first "
+                "token); attention_mask has a zero after a one"
+            )
+        firsts = [int(x) for x in lead.tolist()]
+        for i, (f, new) in enumerate(zip(stored, firsts, strict=True)):
+            if rows is not None and (new != f if f < past else new < past):
+                raise NotSupportedError(
+                    f"attention_mask row {i} pads {new} slots, the row stores {f} padding "
+                    "slots: a stored token cannot become padding or the reverse"
+                )
+        return firsts
 
     def _abort(self, step: _Step) -> None:
         """Undo a failed forward: drop its tokens from every row, restore lengths and rows."""
@@ -203,10 +345,14 @@ class KVCacheForTransformers(Cache):
                 cache.remove(seq, step.past)
         self._seen = [step.past] * len(self._seen)
         self._rows = step.prev_rows
+        if step.prev_first is not None:
+            self._first = step.prev_first
+        if self._rows is None:
+            self._inside = None
         self._step = None
 
     def _check_forward(
-        self, b: int, t: int, past: int, cache_position: torch.Tensor | None
+        self, b: int, t: int, past: int, cache_position: torch.Tensor | None, inside: bool
     ) -> None:
         """Reject a forward this cache cannot serve exactly, before anything changes."""
         rows = self._rows
@@ -239,7 +385,7 @@ class KVCacheForTransformers(Cache):
                 f"cache_position {cache_position.flatten().tolist()[:8]}... is not the next "
                 f"{t} slots after {past}: KVCacheForTransformers only appends"
             )
-        for group in self.groups:
+        for group in [] if inside else self.groups:  # inside, the cache's own window applies
             if group.forced and group.window is not None and t > 1 and past + t > group.window:
                 raise NotSupportedError(
                     f"a {t}-token forward after {past} tokens crosses window={group.window} on "
@@ -436,6 +582,7 @@ class KVCacheForTransformers(Cache):
                 dst = self._new_seq()
                 for cache in self.caches:
                     cache.copy_prefix(src, dst, past)
+                self._first[dst] = self._first.get(src, 0)
                 new.append(dst)
             else:
                 taken.add(src)
@@ -444,6 +591,7 @@ class KVCacheForTransformers(Cache):
             if seq not in taken:
                 for cache in self.caches:
                     cache.remove(seq, 0)
+                self._first.pop(seq, None)
         self._rows = new
         self._step = None
 
@@ -473,10 +621,11 @@ class KVCacheForTransformers(Cache):
     def _check_crop(self, keep: int) -> None:
         assert self._rows is not None
         for cache, group in zip(self.caches, self.groups, strict=True):
-            need = kv_offset(group.window, keep)
             for seq in self._rows:
+                first = self._first.get(seq, 0)  # padding slots are not stored
+                need = max(kv_offset(group.window, keep), first)
                 held = cache.positions(seq)
-                if keep > 0 and (not held or held[0] > need):
+                if keep > first and (not held or held[0] > need):
                     raise NotSupportedError(
                         f"crop to {keep} tokens needs position {need} of the "
                         f"window={group.window} layers {list(group.layers)[:4]}..., which they "
@@ -491,6 +640,8 @@ class KVCacheForTransformers(Cache):
         self._rows = None
         self._seen = [0] * len(self._seen)
         self._step = None
+        self._inside = None
+        self._first = {}
         for view in self._views:
             view.is_initialized = False
 
