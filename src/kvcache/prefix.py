@@ -3,7 +3,9 @@
 Bookkeeping only (ints and bytes, no tensors). Prompts are cut into blocks of ``block_size``
 tokens; block i is named by a chained hash ``h_i = H(h_{i-1} || tokens of block i)`` seeded
 with a namespace (model identity + codec), so equal hashes mean equal token prefixes of the
-same model::
+same model. A *cache salt* (vLLM's ``cache_salt``: one tenant's secret) enters the first
+block's hash, so salted blocks match only prompts with the same salt; no salt is the shared
+namespace::
 
     tokens   [ t0 .. t15 ][ t16 .. t31 ][ t32 .. t47 ][ t48 t49 ]
     hashes       h0            h1            h2        (partial: not indexed)
@@ -34,13 +36,18 @@ class Match:
     tokens: int
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, seed: bytes) -> list[bytes]:
-    """Chained hashes of the whole blocks of ``tokens``."""
+def chain_hashes(
+    tokens: Sequence[int], block_size: int, seed: bytes, salt: str | None = None
+) -> list[bytes]:
+    """Chained hashes of the whole blocks of ``tokens``; ``salt`` goes into the first one."""
     out: list[bytes] = []
     prev = hashlib.blake2b(seed, digest_size=16).digest()
+    # token blocks are digits and commas: a NUL-framed salt can never read as one
+    first = b"" if salt is None else b"\0salt\0" + salt.encode() + b"\0"
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = ",".join(str(int(t)) for t in tokens[start : start + block_size]).encode()
-        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+        head = first if start == 0 else b""
+        prev = hashlib.blake2b(prev + head + block, digest_size=16).digest()
         out.append(prev)
     return out
 
@@ -54,13 +61,15 @@ class PrefixIndex:
         self.holders: OrderedDict[int, list[bytes]] = OrderedDict()  # LRU first
         self.by_hash: dict[bytes, OrderedDict[int, None]] = {}  # hash -> holders (newest last)
 
-    def hashes(self, tokens: Sequence[int]) -> list[bytes]:
-        return chain_hashes(tokens, self.block_size, self.seed)
+    def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[bytes]:
+        return chain_hashes(tokens, self.block_size, self.seed, salt)
 
-    def lookup(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> Match:
+    def lookup(
+        self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None, salt: str | None = None
+    ) -> Match:
         """The holder with the longest run of the prompt's blocks (marks it recently used)."""
         found: Match = Match(None, 0, 0)
-        for i, h in enumerate(self.hashes(tokens) if hashes is None else hashes):
+        for i, h in enumerate(self.hashes(tokens, salt) if hashes is None else hashes):
             holders = self.by_hash.get(h)
             if not holders:
                 break
@@ -69,10 +78,10 @@ class PrefixIndex:
             self.holders.move_to_end(found.holder)
         return found
 
-    def insert(self, holder: int, tokens: Sequence[int]) -> int:
+    def insert(self, holder: int, tokens: Sequence[int], salt: str | None = None) -> int:
         """Register ``holder`` as holding ``tokens`` at positions 0..; returns blocks indexed."""
         self.drop(holder, 0)
-        hashes = self.hashes(tokens)
+        hashes = self.hashes(tokens, salt)
         self.holders[holder] = hashes
         for h in hashes:
             self.by_hash.setdefault(h, OrderedDict())[holder] = None

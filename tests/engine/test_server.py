@@ -328,6 +328,22 @@ BAD_REQUESTS: list[tuple[str, str, object, str | None, str | None]] = [
     ("stop-wrong-type", "completions", {**M, "prompt": "a", "stop": 7}, "stop", None),
     ("stream-string", "completions", {**M, "prompt": "a", "stream": "yes"}, "stream", None),
     ("n-two", "completions", {**M, "prompt": "a", "n": 2}, "n", None),
+    ("salt-number", "completions", {**M, "prompt": "a", "cache_salt": 7}, "cache_salt", None),
+    ("salt-empty", "completions", {**M, "prompt": "a", "cache_salt": ""}, "cache_salt", None),
+    (
+        "salt-too-long",
+        "chat/completions",
+        {**M, "messages": [{"role": "user", "content": "a"}], "cache_salt": "s" * 257},
+        "cache_salt",
+        None,
+    ),
+    (
+        "salt-list",
+        "chat/completions",
+        {**M, "messages": [{"role": "user", "content": "a"}], "cache_salt": ["a"]},
+        "cache_salt",
+        None,
+    ),
     ("echo", "completions", {**M, "prompt": "a", "echo": True}, "echo", None),
     ("no-messages", "chat/completions", {**M, "messages": []}, "messages", None),
     (
@@ -500,6 +516,32 @@ def test_shared_system_prompt_is_reused_and_counted(served, smollm2):
         "corrupt",
         "store_unavailable",
     }
+
+
+def test_cache_salt_separates_tenants_over_http(served):
+    """Same system prompt, three tenants: the same salt reuses its blocks, another salt and
+    no salt reuse none of them (the cached_tokens of OpenAI's usage)."""
+    client = served.client()
+    system = "Tenant isolation is checked by this test, before anything else. " + SYSTEM
+
+    def cached(salt: str | None, question: str) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            max_tokens=2,
+            temperature=0,
+            extra_body=extra,
+        )
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a", "What is a cell?") == 0
+    assert cached("tenant-a", "What is a block?") >= 48  # the system prompt's whole blocks
+    assert cached("tenant-b", "What is a block?") == 0
+    assert cached(None, "What is a block?") == 0
 
 
 def misses(families: dict[str, Any]) -> dict[str, float]:

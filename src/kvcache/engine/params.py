@@ -88,17 +88,23 @@ class EngineConfig:
         return self.pool_sequences or self.max_sequences
 
 
+MAX_CACHE_SALT = 256  # characters: a tenant id or a secret, not a document
+
+
 @dataclass(frozen=True)
 class RequestParams:
     """One request's options (OpenAI's, and ``generate``'s): length, sampling, stop strings.
 
-    ``stop`` may be given as a list; it is kept as a tuple.
+    ``stop`` may be given as a list; it is kept as a tuple. ``cache_salt`` (vLLM's field)
+    puts the request's prefix blocks in a namespace of their own: they are shared only with
+    requests carrying the same salt (None: the shared namespace).
     """
 
     max_tokens: int = 16
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -113,3 +119,8 @@ class RequestParams:
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError("ignore_eos", self.ignore_eos, "a bool")
+        salt = self.cache_salt
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT):
+            raise InvalidArgumentError(
+                "cache_salt", salt, f"None or a non-empty str of at most {MAX_CACHE_SALT} chars"
+            )

@@ -4,7 +4,9 @@ Requests are pydantic models in strict mode, so a wrong JSON type (``"max_tokens
 is an error instead of being coerced. Fields the engine cannot honour (``n > 1``,
 penalties, ``logprobs``, ...) are accepted only at their no-op values: a client asking for
 them gets a 400 naming the field, never a silently different answer. ``ignore_eos`` is the
-vLLM extension (benchmarks use it to generate exactly ``max_tokens``).
+vLLM extension (benchmarks use it to generate exactly ``max_tokens``), and so is
+``cache_salt`` (a tenant's prefix-cache namespace; a non-string or one over 256 characters
+is a 400).
 
 Every error body is OpenAI's shape::
 
@@ -19,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from kvcache.engine.params import MAX_CACHE_SALT
 from kvcache.errors import KVCacheError
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -111,6 +114,8 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # vLLM's extension: prefix blocks shared only between requests with the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
     user: str | None = None
     # accepted only at their no-op values (NO_OP_VALUES)
     n: int = 1

@@ -13,6 +13,9 @@ the request *waits* for it (``Request.awaits``) and then takes it like any other
 holder's cells (``copy_prefix``, no K/V copied), then loads further blocks from the block
 store (memory / disk / Redis; K/V written straight into its cells, no model compute).
 
+A request's ``cache_salt`` enters the first block's hash (``kvcache.prefix``): its blocks,
+in the pool and in the store, match only requests with the same salt.
+
 Holders are evicted least recently used first (a lookup counts as a use) through the
 holder-eviction hook (``kvcache.engine.pressure``). Running requests are never evicted
 here: the scheduler preempts them.
@@ -121,7 +124,7 @@ class PrefixReuse:
         running request that is computing a longer one."""
         assert r.fed == 0 and r.seq >= 0, f"attach of request {r.id} at fed {r.fed} seq {r.seq}"
         usable = r.context[: len(r.context) - 1]
-        hashes = self.index.hashes(usable)
+        hashes = self.index.hashes(usable, r.params.cache_salt)
         local, reason = self._local_match(usable, hashes)
         soon = self.pending.lookup(usable, hashes)
         if soon.holder is not None and soon.blocks > local.blocks:
@@ -143,7 +146,7 @@ class PrefixReuse:
             if miss is not None:
                 self.stats.misses[miss] += 1
         if r.fed < len(r.context) - 1:  # others may wait for the blocks it computes now
-            self.pending.insert(r.seq, r.context[: max(r.prompt_len, r.fed)])
+            self.pending.insert(r.seq, r.context[: max(r.prompt_len, r.fed)], r.params.cache_salt)
 
     def waiting_on(self, seq: int) -> bool:
         """Whether ``seq`` is still computing blocks that others wait for."""
@@ -154,7 +157,7 @@ class PrefixReuse:
         indexed prefix, or one a running request is computing (loads from the block store
         are not counted: they take cells)."""
         usable = r.context[: len(r.context) - 1]
-        hashes = self.index.hashes(usable)
+        hashes = self.index.hashes(usable, r.params.cache_salt)
         local, _ = self._local_match(usable, hashes)
         soon = self.pending.lookup(usable, hashes)
         return max(local.tokens, soon.blocks * self.block_size)
@@ -241,7 +244,7 @@ class PrefixReuse:
         self.pending.drop(r.seq, 0)
         n = (r.fed // self.block_size) * self.block_size
         if n:
-            self.index.insert(r.seq, r.context[:n])
+            self.index.insert(r.seq, r.context[:n], r.params.cache_salt)
             self._running.add(r.seq)
 
     def on_shift(self, r: Request, keep: int) -> None:
@@ -266,7 +269,7 @@ class PrefixReuse:
             self.cache.remove(r.seq, 0)
             return
         self.cache.remove(r.seq, n)
-        self.index.insert(r.seq, r.context[:n])
+        self.index.insert(r.seq, r.context[:n], r.params.cache_salt)
         if self.store is not None:
             self.publish(r.seq, self.index.holders[r.seq])
 

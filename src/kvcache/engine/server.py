@@ -214,6 +214,7 @@ def _request_params(
             sampling=sampling,
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,
+            cache_salt=body.cache_salt,
         )
     except InvalidArgumentError as e:
         raise BadRequestError(str(e), param=e.name) from e
