@@ -6,20 +6,49 @@ pre-norm blocks (causal self-attention, cross-attention to the encoder, MLP) -> 
 against the token embedding (tied output projection, one matmul).
 
 This file holds the model, its weights and loaders and the uncached forwards (the reference);
-the cached decoding on the library's caches is :mod:`kvcache.models.whisper_decode`.
+the cached decoding on the library's caches is :mod:`kvcache.models.whisper_decode`, whose
+public names are importable from here too (their documented home).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
 from kvcache.kernels.linear import linear
+
+if TYPE_CHECKING:
+    from kvcache.models.whisper_decode import (
+        WhisperKVCache,
+        forward_decoder_cached,
+        forward_decoder_step,
+    )
+
+__all__ = [
+    "Whisper",
+    "WhisperConfig",
+    "WhisperKVCache",
+    "forward_decoder_cached",
+    "forward_decoder_step",
+]
+# the documented home of the cached decoding names; they live in whisper_decode (which imports
+# this module), so they are looked up there on first use instead of imported here (a cycle)
+_DECODE_NAMES = frozenset({"WhisperKVCache", "forward_decoder_cached", "forward_decoder_step"})
+
+
+def __getattr__(name: str) -> object:
+    """``WhisperKVCache``, ``forward_decoder_cached``, ``forward_decoder_step`` from
+    :mod:`kvcache.models.whisper_decode`, where the cached decoding lives."""
+    if name in _DECODE_NAMES:
+        return getattr(importlib.import_module("kvcache.models.whisper_decode"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- configuration -----------------------------------------------------------------------
