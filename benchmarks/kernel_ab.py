@@ -2,8 +2,7 @@
 another revision's, step by step, so that a slow or noisy machine slows both alike.
 
 A speed change to csrc/ is a few percent; on a shared machine two runs of one build differ
-by more (on the Ice Lake VM of 2026-11-25, 16 x 1k int4 attention took 36 to 65 ms a step
-from one run to the next). Here both extensions are loaded into one process, the cache
+by more. Here both extensions are loaded into one process, the cache
 (``cache.attention`` over every layer of a SmolLM2-shaped model, random K/V) is built once,
 and the builds take turns every ``--steps`` decode steps for ``--rounds`` rounds. Reported
 per codec and shape: each build's median over the rounds of its fastest step, the median
@@ -23,11 +22,11 @@ import argparse
 import importlib.machinery
 import importlib.util
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -35,16 +34,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kvcache.kernels.attend as attend  # noqa: E402
-from common import table, write_json  # noqa: E402
-from kvcache import Batch, CausalCache  # noqa: E402
-from kvcache.kernels.build import extension  # noqa: E402
-from kvcache.models.rope import Rope  # noqa: E402
+import kvcache.kernels.attend as attend
+from harness import median_interval, table, take_turns, write_json
+from kvcache import Batch, CausalCache
+from kvcache.kernels.build import extension
+from kvcache.models.rope import Rope
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, KV_HEADS, Q_HEADS, DIM, THETA = 30, 3, 9, 64, 100000.0  # SmolLM2-135M
-BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median ratio
 
 
 def load_module(path: str) -> ModuleType:
@@ -98,22 +95,28 @@ def compare(
             cache.put(layer, k, v)
     q = torch.randn(seqs, Q_HEADS, DIM, generator=g)
     k, v = torch.randn(2, seqs, KV_HEADS, DIM, generator=g)
-    pos = context
-    fastest: list[list[float]] = [[] for _ in builds]
-    try:
-        for r in range(args.rounds + 1):  # round 0 warms up
-            for i, module in enumerate(builds):
-                attend.extension = lambda m=module: m  # type: ignore[assignment]
-                times = []
-                for _ in range(args.steps):
-                    cache.start_forward(Batch(positions=[pos] * seqs, sequences=list(range(seqs))))
-                    pos += 1
-                    t0 = time.perf_counter()
-                    for layer in range(LAYERS):
-                        cache.attention(layer, q, k, v)
-                    times.append(time.perf_counter() - t0)
-                if r:
-                    fastest[i].append(min(times))
+    pos = [context]
+
+    def turn(module: ModuleType) -> Callable[[], float]:
+        """One build's turn: ``--steps`` decode steps through it; the fastest."""
+
+        def steps() -> float:
+            attend.extension = lambda: module  # type: ignore[assignment]
+            times = []
+            for _ in range(args.steps):
+                cache.start_forward(Batch(positions=[pos[0]] * seqs, sequences=list(range(seqs))))
+                pos[0] += 1
+                t0 = time.perf_counter()
+                for layer in range(LAYERS):
+                    cache.attention(layer, q, k, v)
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        return steps
+
+    try:  # in the same order every round, after a warm-up round
+        turns = {f"build {i}": turn(m) for i, m in enumerate(builds)}
+        fastest = list(take_turns(turns, args.rounds, warm=1, rotate=False).values())
     finally:
         attend.extension = extension  # type: ignore[assignment]
         cache.close()
@@ -132,20 +135,6 @@ def compare(
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
     }
-
-
-def median_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float]:
-    """A ``level`` bootstrap interval of the median of the per-round ratios (the rounds
-    resampled with replacement, a fixed seed). On the Zen 3 VM of 2026-11-27 two builds of
-    one source gave medians of 0.971 to 1.01 over 40 rounds, intervals 0.944 to 1.03
-    (results/kernel_ab_aa.json): a change of a few percent means something only where its
-    interval leaves 1 out."""
-    rng = random.Random(0)
-    medians = sorted(
-        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP)
-    )
-    cut = int((1 - level) / 2 * BOOTSTRAP)
-    return medians[cut], medians[BOOTSTRAP - 1 - cut]
 
 
 def verdict(lo: float, hi: float) -> str:

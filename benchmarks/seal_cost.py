@@ -22,21 +22,21 @@ Run it on a quiet machine; the ratios come from one process, the milliseconds do
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, table  # noqa: E402
-from kvcache import Batch, CausalCache  # noqa: E402
-from kvcache.kernels.encode import ENCODE_ENV  # noqa: E402
-from kvcache.models.rope import Rope  # noqa: E402
+import harness
+from harness import plot, table, take_turns, write_json
+from kvcache import Batch, CausalCache
+from kvcache.kernels.encode import ENCODE_ENV
+from kvcache.models.rope import Rope
 
 LAYERS, KV_HEADS, Q_HEADS, DIM = 30, 3, 9, 64
 MODES = ("kernel", "reference")
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="tokens of the shortest prompt")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per layout")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder of the json and png")
+    p.add_argument("--out", type=Path, default=None, help="folder of the json and png (results/)")
     return p.parse_args(argv)
 
 
@@ -83,19 +83,26 @@ def step_times(
     g = torch.Generator().manual_seed(1)
     q = torch.randn(b, Q_HEADS, DIM, generator=g)
     k, v = torch.randn(2, b, KV_HEADS, DIM, generator=g)
-    times: dict[str, dict[str, list[float]]] = {c: {m: [] for m in MODES} for c in codecs}
+    step = [0]  # the round now (its positions), from before_round
+
+    def set_round(i: int) -> None:
+        step[0] = i
+        os.environ[ENCODE_ENV] = MODES[(i // 2) % 2]  # the modes take turns every 2 steps
+
+    def decode_step(cache: CausalCache) -> Callable[[], float]:
+        def seconds() -> float:
+            cache.start_forward(Batch([n + step[0] for n in lengths], list(range(b))))
+            start = time.perf_counter()
+            for layer in range(LAYERS):
+                cache.attention(layer, q, k, v)
+            return time.perf_counter() - start
+
+        return seconds
+
     before = os.environ.get(ENCODE_ENV)
-    try:
-        for i in range(steps + 2):  # the first 2: warm-up
-            mode = MODES[(i // 2) % 2]
-            os.environ[ENCODE_ENV] = mode
-            for codec, cache in caches.items():
-                cache.start_forward(Batch([n + i for n in lengths], list(range(b))))
-                start = time.perf_counter()
-                for layer in range(LAYERS):
-                    cache.attention(layer, q, k, v)
-                if i >= 2:
-                    times[codec][mode].append(time.perf_counter() - start)
+    try:  # the codecs step in turn, in the same order every step; the first 2: warm-up
+        contenders = {c: decode_step(cache) for c, cache in caches.items()}
+        steps_of = take_turns(contenders, steps, warm=2, rotate=False, before_round=set_round)
     finally:
         if before is None:
             os.environ.pop(ENCODE_ENV, None)
@@ -103,7 +110,11 @@ def step_times(
             os.environ[ENCODE_ENV] = before
         for cache in caches.values():
             cache.close()
-    return times
+    modes = [MODES[(i // 2) % 2] for i in range(2, steps + 2)]
+    return {
+        c: {m: [t for t, mode in zip(ts, modes, strict=True) if mode == m] for m in MODES}
+        for c, ts in steps_of.items()
+    }
 
 
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -128,14 +139,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
-def plot(rows: list[dict[str, object]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw(ax: Any, rows: list[dict[str, object]]) -> None:
     codecs = list(dict.fromkeys(str(r["codec"]) for r in rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.2
     bars = [("aligned", "kernel"), ("staggered", "kernel"), ("staggered", "reference")]
     for i, (layout, mode) in enumerate(bars):
@@ -150,9 +155,6 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     ax.set_ylabel("mean decode step, ms (store + attention, 30 layers)")
     ax.set_title("Sealing cost per decode step")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,11 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(args)
     cols = ["layout", "codec", "kernel_ms", "reference_ms", "kernel_vs_reference", "vs_fp32"]
     print(table(rows, cols))
-    args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": machine(), "batch": args.batch, "context": args.context,
-               "steps": args.steps, "rows": rows}  # fmt: skip
-    (args.out / "seal_cost.json").write_text(json.dumps(payload, indent=2) + "\n")
-    plot(rows, args.out / "seal_cost.png")
+    out = args.out or harness.RESULTS
+    payload = {"batch": args.batch, "context": args.context, "steps": args.steps, "rows": rows}
+    write_json(out / "seal_cost.json", payload)
+    plot(out / "seal_cost.png", lambda fig, ax: draw(ax, rows), figsize=(7, 4), dpi=120)
 
 
 if __name__ == "__main__":
