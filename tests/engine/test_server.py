@@ -24,11 +24,12 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from greedy_reference import random_prompt
 from kvcache.cli import main as cli_main
 from kvcache.commands.serve import model_identity
 from kvcache.engine.loop import EngineLoop
-from kvcache.engine.metrics import RateMeter
-from kvcache.engine.params import EngineConfig
+from kvcache.engine.metrics import EngineCollector, RateMeter
+from kvcache.engine.params import EngineConfig, RequestParams
 from kvcache.engine.scheduler import Engine
 from kvcache.engine.server import ServerState, create_app
 from kvcache.models.llama import Llama
@@ -480,6 +481,74 @@ def test_metrics_parse_as_prometheus_text(served):
     assert value(fam, "kvcache_engine_up") == 1
     reasons = {s.labels["reason"]: s.value for s in fam["kvcache_requests_finished"].samples}
     assert reasons.get("length", 0) >= 1
+
+
+LOAD_GAUGES = (
+    "kvcache_requests_queued",
+    "kvcache_requests_running",
+    "kvcache_kv_cache_usage_perc",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+)
+
+
+def load_gauges(families: dict[str, Any]) -> dict[str, float]:
+    """The GIE load gauges (ours and vLLM's names), checked to be gauges."""
+    assert all(families[name].type == "gauge" for name in LOAD_GAUGES)
+    return {name: value(families, name) for name in LOAD_GAUGES}
+
+
+def test_load_gauges_count_a_step_exactly(history_model):
+    """Four requests over two slots, one step: 2 waiting, 2 running, their 2 x 20 cells of
+    2 x 64 in use; at the end nothing waits or runs and utilisation is back to 0 although
+    idle prefix holders keep cells (they are evicted on demand, as vLLM's free cached blocks)."""
+    engine = Engine(history_model, config=EngineConfig(capacity=64, max_sequences=2))
+    collector = EngineCollector(engine.metrics, RateMeter(), lambda: True, "tiny")
+
+    def gauges() -> dict[str, float]:
+        return load_gauges({m.name: m for m in collector.collect()})
+
+    assert set(gauges().values()) == {0.0}
+    for seed in range(4):
+        engine.submit(random_prompt(20, seed=seed), RequestParams(max_tokens=6))
+    engine.step()
+    busy = gauges()
+    assert busy["vllm:num_requests_waiting"] == busy["kvcache_requests_queued"] == 2
+    assert busy["vllm:num_requests_running"] == busy["kvcache_requests_running"] == 2
+    usage = {busy[n] for n in LOAD_GAUGES if "usage" in n}
+    assert usage == {2 * 20 / (2 * 64)}
+    engine.run()
+    assert set(gauges().values()) == {0.0}
+    assert engine.metrics()["cells_used"] > 0  # the idle holders' cells
+
+
+def test_load_gauges_move_under_http_load_and_return_to_idle(served):
+    """Eight concurrent requests over four slots: the scraped gauges show a queue and cells
+    in use while they run, and zero once they are done."""
+    client = served.client()
+    seen: dict[str, float] = dict.fromkeys(LOAD_GAUGES, 0.0)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(
+                client.completions.create,
+                model=MODEL,
+                prompt=f"Count to ten in language {i}:",
+                max_tokens=24,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(8)
+        ]
+        while not all(f.done() for f in futures):
+            now = load_gauges(scrape(served))
+            seen = {n: max(seen[n], now[n]) for n in LOAD_GAUGES}
+            time.sleep(0.02)
+        assert all(f.result().usage.completion_tokens == 24 for f in futures)
+    assert seen["vllm:num_requests_waiting"] >= 1 and seen["vllm:num_requests_running"] == 4
+    assert 0 < seen["vllm:kv_cache_usage_perc"] <= 1
+    assert set(load_gauges(scrape_settled(served)).values()) == {0.0}
 
 
 def test_shared_system_prompt_is_reused_and_counted(served, smollm2):

@@ -9,6 +9,19 @@ Prometheus that could compute ``rate()``). How requests ended is a labelled
     kvcache_preemptions_total 3.0
     kvcache_prefix_miss_total{reason="no_holder"} 12.0
     kvcache_requests_finished_total{reason="length"} 40.0
+
+The load gauges the Gateway API Inference Extension's model-server protocol reads
+(TotalQueuedRequests, KVCacheUtilization) are ours and, for scrapers configured for vLLM,
+also under vLLM's names with its ``model_name`` label::
+
+    kvcache_requests_queued 2.0           vllm:num_requests_waiting{model_name="m"} 2.0
+    kvcache_requests_running 8.0          vllm:num_requests_running{model_name="m"} 8.0
+    kvcache_kv_cache_usage_perc 0.75      vllm:kv_cache_usage_perc{model_name="m"} 0.75
+                                          vllm:gpu_cache_usage_perc{model_name="m"} 0.75
+
+Utilisation is a fraction (1 = full, as vLLM's): cells the running requests use over all
+cells. Idle prefix holders do not count: like vLLM's cached free blocks, they are evicted
+for the first request that needs their room.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ ENGINE_METRICS: tuple[Exported, ...] = (
         "cells_used", "gauge", "Cells holding K/V (requests and prefix holders).", "cells_used"
     ),
     Exported("cells_free", "gauge", "Free cells.", "cells_free"),
+    Exported("cells_running", "gauge", "Cells the running requests use.", "cells_running"),
     Exported(
         "held_bytes", "gauge", "Bytes the cells in use hold (codes, scales, windows).", "held_bytes"
     ),
@@ -147,6 +161,15 @@ RATE_METRICS: tuple[Exported, ...] = (
     ),
 )
 
+USAGE_HELP = "K/V-cache utilisation: cells the running requests use / all cells (1 = full)."
+# vLLM's names for the load gauges (vllm:gpu_cache_usage_perc: its name before 0.10)
+VLLM_ALIASES: tuple[tuple[str, str, str], ...] = (
+    ("vllm:num_requests_waiting", "Requests waiting to be processed.", "queued"),
+    ("vllm:num_requests_running", "Requests running.", "running"),
+    ("vllm:kv_cache_usage_perc", USAGE_HELP, "kv_cache_usage"),
+    ("vllm:gpu_cache_usage_perc", USAGE_HELP, "kv_cache_usage"),
+)
+
 MISS_HELP = "Requests that started without reusing all of their prompt, by why reuse stopped: " + (
     "; ".join(f"{reason}: {text}" for reason, text in MISS_REASONS.items())
 )
@@ -190,10 +213,12 @@ class EngineCollector:
         snapshot: Callable[[], Mapping[str, float]],
         rates: RateMeter,
         up: Callable[[], bool],
+        model_name: str = "",
     ) -> None:
         self._snapshot = snapshot
         self._rates = rates
         self._up = up
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -201,6 +226,14 @@ class EngineCollector:
         yield _family("engine_up", "gauge", "1 while the engine thread is stepping.", self._up())
         for m in ENGINE_METRICS:
             yield _family(m.name, m.kind, m.help, snap.get(m.key, 0))
+        total = snap.get("cells_total", 0)
+        usage = snap.get("cells_running", 0) / total if total else 0.0
+        yield _family("kv_cache_usage_perc", "gauge", USAGE_HELP, usage)
+        loads = {**snap, "kv_cache_usage": usage}
+        for name, help_text, key in VLLM_ALIASES:
+            alias = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            alias.add_metric([self._model], loads.get(key, 0))
+            yield alias
         for m in RATE_METRICS:
             yield _family(m.name, m.kind, m.help, self._rates.rate(m.key))
         misses = CounterMetricFamily(f"{PREFIX}_prefix_miss", MISS_HELP, labels=["reason"])
@@ -213,10 +246,14 @@ class ServerMetrics:
     """The registry of one server: the engine collector and the finish-reason counter."""
 
     def __init__(
-        self, snapshot: Callable[[], Mapping[str, float]], rates: RateMeter, up: Callable[[], bool]
+        self,
+        snapshot: Callable[[], Mapping[str, float]],
+        rates: RateMeter,
+        up: Callable[[], bool],
+        model_name: str = "",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(snapshot, rates, up))
+        self.registry.register(EngineCollector(snapshot, rates, up, model_name))
         self.finished = Counter(
             f"{PREFIX}_requests_finished",
             "Requests ended, by finish reason.",

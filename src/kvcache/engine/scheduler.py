@@ -435,6 +435,13 @@ class Engine:
             held.update(self.cache.cells_of(h).tolist())
         return len(held)
 
+    def running_cells(self) -> int:
+        """Cells the running requests use (idle holders' cells are free to evict)."""
+        used: set[int] = set()
+        for r in self.running:
+            used.update(self.cache.cells_of(r.seq).tolist())
+        return len(used)
+
     def metrics(self) -> dict[str, float]:
         """A flat snapshot of gauges and counters (``prefix_miss_total:<reason>`` per reason)."""
         s = self.stats
@@ -443,6 +450,7 @@ class Engine:
             "cells_total": self.cache.num_cells,
             "cells_used": used,
             "cells_free": self.cache.num_cells - used,
+            "cells_running": self.running_cells(),
             "prefix_blocks": self.reuse.blocks(),
             "running": len(self.running),
             "queued": len(self.waiting) + self._inbox.qsize(),

@@ -78,7 +78,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.prometheus = metrics.ServerMetrics(
-            lambda: self.loop.snapshot, self.rates, lambda: self.loop.alive
+            lambda: self.loop.snapshot, self.rates, lambda: self.loop.alive, self.model_name
         )
 
     @property
