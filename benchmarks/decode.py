@@ -61,19 +61,21 @@ from typing import Any
 
 import torch
 
-from kvcache.kernels.build import extension
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    agreement,
-    hf_checkpoint,
-    license_tokens,
+from common import agreement, hf_checkpoint, license_tokens, token_clock
+from harness import (
+    load,
+    minutes,
+    paired_ratio,
+    plot,
     read_bandwidth,
     spawn_worker,
+    started_load,
     table,
-    token_clock,
+    take_turns,
+    worker_result,
     write_json,
 )
+from kvcache.kernels.build import extension
 
 CODECS = ("fp32", "fp16", "int8", "int4", "kivi4", "turbo4")
 LONG_CODECS = ("fp32", "int8", "kivi4")
@@ -140,6 +142,10 @@ class Contender:
             self.steps.append(s.decode_seconds - seconds)
         return full
 
+    def decode(self) -> None:
+        """One round's turn: a step in which all B sequences decode."""
+        assert self.step(), f"{self.codec} {self.batch}x{self.context}: a step not all decode"
+
     def finish(self, args: argparse.Namespace) -> dict[str, Any]:
         """The row: rates from the timed steps (one sequence: decoded to the end, its tokens)."""
         while self.batch == 1 and self.gen.busy:
@@ -172,10 +178,8 @@ def decode_in_turn(
         contenders.append(Contender(model, prompts, codec, args))
         c = contenders[-1]
         print(f"  prefilled {codec:7} {c.batch:2} x {c.context:5}", file=sys.stderr, flush=True)
-    for r in range(args.warm + args.steps):
-        k = r % len(contenders)
-        for c in contenders[k:] + contenders[:k]:
-            assert c.step(), f"{c.codec} {c.batch}x{c.context}: a step that was not all decode"
+    turns = {f"{i} {c.codec}": c.decode for i, c in enumerate(contenders)}
+    take_turns(turns, args.warm + args.steps)  # each row drops its first --warm steps itself
     rows = []
     for c in contenders:
         rows.append({**c.finish(args), "group": group})
@@ -327,7 +331,7 @@ def progress(row: dict[str, Any]) -> None:
     print(
         f"  {row['codec']:7} {row['batch']:2} x {row['context']:5}: prefill "
         f"{row['prefill_tok_s']:6.0f} tok/s, decode {row['decode_tok_s']:6.1f} tok/s "
-        f"(load {os.getloadavg()[0]:.1f})",
+        f"(load {load():.1f})",
         file=sys.stderr,
         flush=True,
     )
@@ -342,7 +346,7 @@ def run_worker(args: argparse.Namespace) -> None:
         "attention": lambda: worker_attention(args),
     }
     result = workers[args.worker]() if args.worker in workers else worker_hf(args, tokens)
-    print("RESULT " + json.dumps(result), flush=True)
+    worker_result(result)
 
 
 # ---- driver ----------------------------------------------------------------------------
@@ -415,7 +419,7 @@ def measure(worker: str, context: int, args: argparse.Namespace, tokens: Path) -
     argv += ["--batches", *map(str, args.batches), "--contexts", *map(str, args.contexts)]
     for key in ("long", "history", "steps", "warm", "max_batch", "threads", "hf_dir"):
         argv += ["--" + key.replace("_", "-"), str(getattr(args, key))]
-    print(f"{worker} {context or ''} (load {os.getloadavg()[0]:.1f})", flush=True)
+    print(f"{worker} {context or ''} (load {load():.1f})", flush=True)
     return spawn_worker(__file__, argv, args.threads, f"{worker} {context}", echo=True)
 
 
@@ -445,11 +449,8 @@ def paired(runs: Runs, a: tuple[str, int, int], b: tuple[str, int, int]) -> floa
     if ra is None or rb is None:
         return None
     if ra.get("group") == rb.get("group") and len(ra["step_ms"]) == len(rb["step_ms"]):
-        per_round = [
-            (ra["batch"] / ta) / (rb["batch"] / tb)
-            for ta, tb in zip(ra["step_ms"], rb["step_ms"], strict=True)
-        ]
-        return statistics.median(per_round)
+        rates = [[r["batch"] / t for t in r["step_ms"]] for r in (ra, rb)]
+        return paired_ratio(*rates)
     return ratio(ra["decode_tok_s"], rb["decode_tok_s"])
 
 
@@ -573,11 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kernels: {extension().__file__}")  # built once, outside every worker
     if not args.no_hf:
         hf_checkpoint(args.hf_dir)
-    load_before, started = os.getloadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         tokens = write_tokens(args, Path(folder))
         results = {(w, c): measure(w, c, args, tokens) for w, c in jobs(args)}
-    minutes, load_after = (time.perf_counter() - started) / 60, os.getloadavg()
     out = report(args, results)
     floor, bandwidth = out["floor"], out["attention_bandwidth_gb_s"]
     titles = {
@@ -593,37 +592,31 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"\nSmolLM2-135M fp32 weights, threads={args.threads}, greedy; median of {args.steps} "
-        f"decode steps after {args.warm}; {minutes:.1f} min, load average "
-        f"{load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores"
+        f"decode steps after {args.warm}; {minutes():.1f} min, load average "
+        f"{started_load():.1f} -> {load():.1f} on {os.cpu_count()} cores"
     )
-    if load_before[0] > QUIET_LOAD:
+    if started_load() > QUIET_LOAD:
         print("WARNING: the machine was busy before the run; these are not final figures")
     for name, rows in out["tables"].items():
         if rows:
             columns = list(dict.fromkeys(k for r in rows for k in r))
             print(f"\n{titles[name]}\n{table(rows, columns)}")
     settings = {k: getattr(args, k) for k in ("threads", "warm", "steps", "max_batch", "quick")}
-    # this machine is shared: the 1-minute load average says how quiet it was
-    load = {"minutes": minutes, "loadavg_before_after": [load_before[0], load_after[0]]}
-    path = write_json("decode_quick" if args.quick else "decode", {**settings, **load, **out})
-    print(f"\nwrote {path}")
+    name = "decode_quick" if args.quick else "decode"
+    print()
+    write_json(name, {**settings, **out})
     if not args.no_plot:
-        plot([r for r in out["runs"] if r["context"] != SHORT], path.with_suffix(".png"))
+        runs = [r for r in out["runs"] if r["context"] != SHORT]
+        plot(name, lambda fig, axes: draw(fig, axes, runs), figsize=(12, 4.5), ncols=2)
     return 0
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
+def draw(fig: Any, axes: Any, runs: list[dict[str, Any]]) -> None:
     """Aggregate decode tok/s against batch size (a line style per prompt length) and
     against prompt length (the largest batch and one sequence); a colour per codec."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
-        return
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_batch, by_length) = plt.subplots(1, 2, figsize=(12, 4.5))
+    by_batch, by_length = axes
     colours = dict(zip(CODECS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     batched = {r["context"] for r in runs if r["batch"] > 1}  # grid contexts
     lengths, top = sorted(batched), max(r["batch"] for r in runs)
@@ -648,9 +641,6 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle("SmolLM2-135M decode on the cell cache, per codec (fp32 weights)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
 
 
 def curve(
