@@ -1,7 +1,7 @@
 """SmolLM2-135M decode on the cell cache: many distinct sequences, long contexts, every codec.
 
 One run measures side by side (bundled SmolLM2-135M, fp32 weights, greedy, EOS ignored,
-``--threads`` torch threads) and reports each figure as a ratio next to its goal (issue 11):
+``--threads`` torch threads) and reports each figure as a ratio next to its goal:
 
 1. grid: B distinct prompts of C tokens decoding together (B = 1, 4, 16; C = 1k, 2k; prompt i
    is the i-th C-token window of the Debian license texts, never a copy), per codec
@@ -35,9 +35,9 @@ transformers measurement. In the grid and long workers every contender (codec x 
 prefilled in a Generator of its own, then they decode in turn, one step each per round (the
 order rotating), so a slow minute of a shared VM slows every contender of that round alike;
 each ratio (``x fp32``, the goals) is the median of the per-round ratios, not a ratio of two
-medians taken minutes apart (on an Ice Lake VM two runs of one build differed by 1.8x).
+medians taken minutes apart (two runs of one build can differ by more than the codecs do).
 
-    python benchmarks/decode.py            # the issue-11 grid: ~400k prompt tokens to prefill
+    python benchmarks/decode.py            # the full grid: ~400k prompt tokens to prefill
     python benchmarks/decode.py --quick    # 1 and 16 x 1k, one sequence at 4k: ~120k
     python benchmarks/decode.py --codecs fp32 int8 --batches 1 16 --contexts 1024 --no-hf
 
@@ -81,7 +81,7 @@ CODECS = ("fp32", "fp16", "int8", "int4", "kivi4", "turbo4")
 LONG_CODECS = ("fp32", "int8", "kivi4")
 HF_SYSTEMS = ("hf-dynamic", "hf-static")
 SHORT = 16  # prompt tokens of the short-context step
-# goals (issue 11): codec vs fp32 at the largest batch; codec vs fp32, one sequence at the
+# goals: codec vs fp32 at the largest batch; codec vs fp32, one sequence at the
 # long context; largest batch vs one sequence (fp32); shares of the floor and the bandwidth
 CODEC_GOALS = {"int8": 1.10, "int4": 1.15, "kivi4": 1.15, "turbo4": 0.90}
 LONG_GOALS = {"int8": 1.0, "kivi4": 1.0}
