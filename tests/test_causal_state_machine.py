@@ -310,7 +310,7 @@ class CausalMachine(RuleBasedStateMachine):
         a layer's first put; a float codec's N rows per layer, preallocated; a quantizing
         codec at least its bytes per row for every encoded token and an fp16 row for every
         window token, and at most that for every cell (plus its records and the windows'
-        maps): windows and codes never outgrow the pool (issue 11 item 5)."""
+        maps): windows and codes never outgrow the pool."""
         got = self.cache.memory_usage_bytes()
         if not self.allocated:
             assert got == 0, f"{got} bytes before any put"

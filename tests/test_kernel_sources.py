@@ -1,12 +1,9 @@
 """The kernels compile for every instruction set they have a path for, not only this CPU's.
 
-They are built with ``-march=native``, so a machine compiles only its own paths: after days on
-an AVX2-only VM a change broke the AVX-512 build (an overload picked by the argument's type:
-``codes16`` of a 256-bit block won over the 512-bit unpacker), and the README's commands
-failed on the Sapphire Rapids-class machines this project runs on, with every test passing on
-that VM (and the plain-loop build, for CPUs without AVX2, had not compiled for longer). So each
-source whose code depends on the instruction set is compiled (syntax and template
-instantiation, no code generated) for the other targets too.
+They are built with ``-march=native``, so a machine compiles only its own paths: each source
+whose code depends on the instruction set is compiled (syntax and template instantiation, no
+code generated) for the other targets too, so a path that does not compile fails here on any
+x86 machine (why: docs/design/kernels.md).
 """
 
 from __future__ import annotations

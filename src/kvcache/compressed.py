@@ -15,27 +15,15 @@ listed above is counted by ``memory_usage_bytes``.
 
 Keys are centred on key-mean snapshots taken at fixed token counts
 (:mod:`kvcache.codecs.key_means`: key t subtracts the mean of the first 2^j keys, 2^j <= t + 1,
-where that shrinks it; see ``codecs/quantizer.py`` for why centring beats plain TurboQuant
-on real keys), and scores add the exact ``<q, mean>`` back. The schedule is a function of
+where that shrinks it; docs/design/turbo.md says why centring beats plain TurboQuant on real
+keys), and scores add the exact ``<q, mean>`` back. The schedule is a function of
 the token index and every step of the encoder treats rows independently
 (``codecs/rotation.py``), so pushing 30 tokens at once or 28 + 1 + 1 gives the same codes,
 scores and outputs (tested with Hypothesis).
 
-The first version took a snapshot of the running mean at push boundaries (a push that grew
-the count 4x since the last snapshot): one big push centred every key on the mean of all of
-them, later keys included, and different chunkings gave scores up to 0.29 apart. Quality,
-attention-output cosine vs exact (``benchmarks/turbo_quality.py``, mean over layers, 1024
-tokens; the old version pushed all tokens at once, as the benchmark does, or one per push)::
-
-    K/V                                bits   old, one push   old, 1 per push   now, any pushes
-    SmolLM2-135M, 30 layers            4      0.9937          0.9937            0.9940
-                                       3      0.9767          0.9763            0.9775
-    synthetic real-like, 4 layers      4      0.9819          0.9825            0.9826
-                                       3      0.9380          0.9401            0.9402
-
-It costs bytes: log2(T) + 1 snapshots and an int64 sum instead of one snapshot per 4x growth
-(at 1k tokens, D 64: 69.9 instead of 68.4 bytes per token and head at 4 bits, 53.9
-instead of 52.4 at 3).
+A schedule fixed by the token index, not by push boundaries: the codes then do not depend on
+how the tokens were pushed; it costs log2(T) + 1 snapshots and an int64 sum. Why and what it
+bought: docs/design/turbo.md.
 
 :class:`MultiHeadKVCache` is H independent heads; head h uses ``seed + h`` and equals a
 ``KVCacheCompressor`` with that seed fed the same tokens. A push encodes all heads in one

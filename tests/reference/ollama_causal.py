@@ -12,7 +12,7 @@ Sources, cited on each rule:
 
 The model knows tokens, not cells: a cell is a :class:`Token` object, shared between
 sequences by ``copy_prefix`` (two dicts hold the same object). Placement (which cell) is
-free for the cache to choose (issue 11 allows any placement that keeps these semantics), so
+free for the cache to choose (any placement that keeps these semantics is allowed), so
 only the number of free cells matters here. K/V data lives with the caller, keyed by
 ``Token.uid``; ``Token.moved`` is how far ``remove`` has shifted the token (its key has
 been re-rotated by that many positions).

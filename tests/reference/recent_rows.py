@@ -1,7 +1,7 @@
 """Which rows a quantizing codec keeps in fp16, as a set of encoded tokens.
 
-Documented rule (README "the newest 128 rows kept in fp16"; issue 11 item 5 "the fp16
-recent window per sequence"; ``kvcache.recent``'s and ``kvcache.codecs``' docstrings:
+Documented rule (docs/guide/codecs.md: each sequence keeps its newest 128 rows in fp16;
+``kvcache.recent``'s and ``kvcache.codecs``' docstrings:
 "every quantizing codec seals a sequence's rows 32 at a time", ``"int4:recent=4,batch=2"``,
 ``"int8:batch=1"`` and ``"kivi4:residual=64"`` resize them):
 

@@ -9,8 +9,8 @@ byte uint8 [N', H, D*bits/8] (little end first: the low nibble is the even chann
 group of ``group`` channels an fp16 scale and minimum [N', H, D/group]; x ~= q * scale + min
 with q in 0..2^bits-1. With 4 bits in groups of 32 that is 5 bits per value. As a key codec
 int4 first subtracts its sequence's key centre (``centre``: fp16 [M, H, D], one record per
-sequence, the mean of its rows when it first seals one; measured on SmolLM2, 1 window: ΔPPL
-from keys alone +12.7 % without a centre, +3.0 % with).
+sequence, the mean of its rows when it first seals one; why and what it bought:
+docs/design/int4.md).
 
 A group's range starts as its minimum and maximum (levels on both extremes, steps of
 (max - min) / (2^bits - 1)); with ``refits`` > 0 the grid is then refitted by least squares
@@ -18,12 +18,10 @@ A group's range starts as its minimum and maximum (levels on both extremes, step
 squared error, projected onto the grids that keep every value within half a step of a level
 (a step no larger than min/max's, the extremes within half a step of the end levels); the
 codes again; ``refits`` times, keeping the grid of least error (min/max's on ties). So the
-error bound of min/max holds and the bulk of the group gets finer steps. Keys gain, values
-lose (4 windows of kv_quality, keys or values alone quantized, KL vs fp32): int4 keys 0.0229
-min/max -> 0.0179 with 4 refits; int4 values 0.0019 -> 0.0021; kivi4's values 0.0035 ->
-0.0048 and its per-channel keys 0.0059 -> 0.0106 (the same fit over a channel's 64 rows):
-the extreme values are the ones attention weighs most. int4's keys refit (``KEY_REFITS``),
-everything else keeps min/max; ``"int4:refits=0"`` turns it off.
+error bound of min/max holds and the bulk of the group gets finer steps. Keys gain and values
+lose (the extreme values are the ones attention weighs most), so int4's keys refit
+(``KEY_REFITS``) and everything else keeps min/max; ``"int4:refits=0"`` turns it off. Why and
+what it bought: docs/design/int4.md.
 """
 
 from __future__ import annotations

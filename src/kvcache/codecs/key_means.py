@@ -13,10 +13,8 @@ attention). The running sum is exact: keys are rounded to multiples of 2^-20, cl
 +-2^20 and summed as int64 (``total [D]``) until the last snapshot at 2^22 keys, and integer
 addition does not depend on the order or grouping of its terms.
 
-Measured (``benchmarks/turbo_quality.py``, attention-output cosine vs exact attention, mean
-over layers; SmolLM2-135M's K/V on 1024 tokens of the Debian license texts, 30 layers):
-snapshots at powers of 2 give 0.9940 / 0.9775 at 4 / 3 bits, at powers of 4 (half as many)
-0.9937 / 0.9763; snapshots cost 2D bytes each (1.4 B per token and head at 1k tokens, D 64).
+Snapshots at powers of 2 rather than 4: a little better for 2D bytes each (why and what it
+bought: docs/design/turbo.md).
 
 A push plans first (:meth:`KeyMeans.plan`: the snapshots it reaches and the offset of each
 of its keys, piece by piece of the schedule) and commits once its codes are stored, so a

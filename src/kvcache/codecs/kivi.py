@@ -11,7 +11,7 @@ sequence, wherever their cells are (``kvcache.recent``: group 64, a metadata rec
     values          codes [N', H, D*bits/8] + per row scale, min [H, D/64]  (ints.py)
 
 Keys default to being stored before RoPE (``pre_rope``: a channel's range is then stable
-within a group; measured: kivi4 ΔPPL +0.40 % pre-RoPE, +1.04 % after).
+within a group; why and what it bought: docs/design/index.md).
 """
 
 from __future__ import annotations

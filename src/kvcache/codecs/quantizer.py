@@ -11,49 +11,24 @@ One vector ``x: [D]`` (a key or a value of one head) is stored as::
 so that ``x ~= flag * offset + scale * R^T centroids[codes] / sqrt(P)``. The stored rows are an
 :class:`~kvcache.codecs.encoded.Encoded` batch (layout there); the QJL sketch is ``qjl.py``.
 
-Why it is not the by-the-book TurboQuant. Measured with ``benchmarks/turbo_quality.py --kv``
-on real SmolLM2-135M K/V (the first 1024 tokens of the Debian license texts, all 30 layers,
-9 query heads over 3 KV heads, causal attention-output cosine vs exact attention):
+Not the by-the-book TurboQuant; each choice measured on real SmolLM2 K/V (why and what it
+bought: docs/design/turbo.md):
 
-    codec (bits)                          4-bit cosine  3-bit cosine  bytes/token/head (K+V)
-    by the book: (b-1) + 64-row QJL       0.946         0.837         70.0 / 54.0
-    all b bits to the codebook            0.989         0.959         68.0 / 52.0
-    + keys centred where it helps (ours)  0.994         0.977         68.4 / 52.4
+* Keys spend all ``bits`` on the MSE codebook (``key_mode="mse"``, the default) instead of
+  ``bits - 1`` plus a 1-bit QJL sketch: QJL removes the bias but adds more variance than the
+  error it corrects, and softmax turns variance into attention error. ``key_mode="qjl"`` keeps
+  the by-the-book estimator to compare against (test_turbo checks the bias/variance trade).
+* The stored scale makes each decoded vector's norm equal the input's.
+* A cache passes a key mean as ``offset``; each key subtracts it only when that shrinks its
+  norm (1 flag bit in the scale's sign bit; <q, offset> is added back exactly): real keys
+  share a large per-channel component that softmax ignores, and attention-sink tokens, far
+  from the mean, would get worse. Values are left as they are.
+* One round of sign flips + WHT; bfloat16 scales (they cannot overflow).
 
-(layers 0/14/29 only, NOTES' protocol: by the book 0.966 / 0.898, ours 0.995 / 0.983; the
-compressed cache's centring has since become a function of the token index, see
-``compressed.py`` for its figures.)
-
-* Keys spend all ``bits`` on the MSE codebook instead of ``bits - 1`` plus a 1-bit QJL sketch
-  (``key_mode="mse"``, the default). QJL makes inner products unbiased, not accurate: its
-  variance is about ``(pi/2) ||q||^2 ||r||^2 / m``, while the error it removes has variance
-  about ``||q||^2 ||r||^2 / P``; with m = P = 64 it adds pi/2 times the error it corrects, on
-  the residual of a codebook with one bit less (3.6x its squared error). Softmax turns that
-  variance into attention error; the MSE codebook's bias (a uniform shrink of the logits,
-  which the norm-preserving scale below removes) costs almost nothing. The bias/variance
-  trade is tested (test_turbo: QJL has no bias but > 2x the variance of 1-bit MSE codes).
-  ``key_mode="qjl"`` keeps the by-the-book estimator to compare against.
-* The stored scale makes each decoded vector's norm equal the input's rather than storing the
-  plain norm (all layers: +0.0005 at 4 bits, +0.0015 at 3 bits); least-squares or
-  projection-unbiased scales measured the same.
-* Key outlier channels: real keys share a large per-channel component (RoPE's slow channels;
-  the mean key norm is 1.56x the mean centred norm, median over layers), so the error, which
-  scales with ||k||, is spent on a part every token shares and softmax ignores. A cache
-  passes a key mean as ``offset``; each key subtracts it only when that shrinks its norm
-  (1 flag bit in the scale's sign bit; <q, offset> is added back exactly). "Only when"
-  matters: attention-sink tokens are far from the mean and take much of the attention;
-  centring every key made some layers worse (keys only, 3 bits: layer 15 0.965 -> 0.948)
-  while the per-key choice improved all of them. Centring values gained 0.0007, so values
-  are left as they are.
-* Rejected after measuring: two rounds of sign flips + WHT and a dense Haar rotation (equal or
-  worse than one round), per-channel key scaling before the rotation (worse), float16
-  instead of bfloat16 scales (equal; bfloat16 cannot overflow).
-
-Speed (goal: encode >= 400k vectors/s at D = 128 on this 2-core machine): float32 rows on
-the CPU go through the C++ encoder (``kvcache.kernels.encode.turbo``, codebook codes of keys
-and values), which equals the torch expressions of :class:`HeadStack` bit for bit; those
-(other devices, QJL keys, ``KVCACHE_ENCODE=reference``) run all heads of a push as one
-batched pipeline, one op per step for every head. Every step treats rows independently and
+Speed: float32 rows on the CPU go through the C++ encoder (``kvcache.kernels.encode.turbo``,
+codebook codes of keys and values), which equals the torch expressions of :class:`HeadStack`
+bit for bit; those (other devices, QJL keys, ``KVCACHE_ENCODE=reference``) run all heads of a
+push as one batched pipeline, one op per step for every head. Every step treats rows independently and
 sums in a fixed order (the rotation as butterflies, ``rotation.py``; :func:`fixed_sum`;
 correctly rounded roots, :func:`correct_sqrt`), so a vector's codes do not depend on what
 it was encoded with, nor on which of the two encoded it.

@@ -11,22 +11,19 @@ Layout per layer (head h uses rotation seed ``seed + h``, as the compressed cach
 
 The names give the average bits per stored value, and the bits are split unevenly: keys
 get one bit more than values (``turbo4`` = 5-bit keys + 3-bit values, ``turbo3`` = 4 + 2),
-at the same bytes as an even split. Errors in keys move every attention weight while
-value errors average out over the attended rows; measured on SmolLM2 (1 window, KL vs fp32):
-turbo4 0.021 even vs 0.011 split, turbo3 0.077 even vs 0.047 split. ``turbo3`` also stores
-its values' norm in one byte (log-coded; at most 4.4 % off, next to the 2-bit codes'
-~34 % relative error) so that K+V fit in 1/5 of fp16's bytes.
+at the same bytes as an even split: errors in keys move every attention weight while value
+errors average out over the attended rows. ``turbo3`` also stores its values' norm in one
+byte (log-coded) so that K+V fit in 1/5 of fp16's bytes. Why and what each bought:
+docs/design/turbo.md.
 
 Keys and values both spend all ``bits`` on the Lloyd–Max codebook (the module docstring of
 ``quantizer.py`` says why QJL loses). Keys are centred by their sequence's centre (the mean of
 its rows when it first seals one): any fixed offset round-trips, and cells are written out
 of order and shared by sequences. The centre is a mean of keys before RoPE: the centre of
-un-rotated keys holds at every position. Measured on SmolLM2 (1 window, keys alone): ΔPPL
-+10.0 % plain, +6.4 % centred after RoPE, +2.2 % centred before RoPE. With a rotary shift
-(``rotary_centre``, ``codecs.base.RotaryFrame``) keys are stored after RoPE minus that
-centre rotated to the row's position, which quantizes as well (the codebook sees a rotated
-residual of the same norm: 4 windows, turbo4 −0.39 % vs −0.06 % stored before RoPE,
-README) and lets the attention kernel score the codes against the query rotated once into
+un-rotated keys holds at every position. With a rotary shift (``rotary_centre``,
+``codecs.base.RotaryFrame``) keys are stored after RoPE minus that centre rotated to the row's
+position, which quantizes as well (the codebook sees a rotated residual of the same norm)
+and lets the attention kernel score the codes against the query rotated once into
 the codes' domain, instead of transforming and rotating every key; with any other shift keys
 are stored before RoPE (``pre_rope``).
 

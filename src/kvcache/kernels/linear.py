@@ -1,8 +1,8 @@
 """Linear layers of decode steps: a few rows against a large weight, read once; and RMSNorm.
 
 A decode step multiplies one row per sequence by every weight matrix. torch's CPU GEMM handles
-that shape poorly on this machine class (AVX2, no AMX): 4-16 rows against the 80 MB Whisper or
-113 MB SmolLM2 LM head take 2-4x the time of reading the weights once. ``linear`` sends inputs
+that shape poorly on CPUs: 4-16 rows against an LM head take several times as long as reading
+the weights once (docs/design/kernels.md). ``linear`` sends inputs
 of at most ``MAX_ROWS`` rows to the C++ kernel (``csrc/linear.cpp``), which reads every weight
 row once for all of them; larger inputs (prompts, encoders) and everything it does not serve
 (non-float32, non-contiguous weights, K not a multiple of 8, autograd) go to ``F.linear``.

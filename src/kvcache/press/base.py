@@ -25,19 +25,10 @@ prefill (``press.observe(cache)``); a press never touches a kernel's tensors.
 Eviction is the cache's (``CausalCache.evict``): mask only by default: survivors keep their
 positions and the sequence goes on at ``next_position``, as kvpress leaves a pruned cache.
 ``compact=1`` renumbers the survivors instead (keys re-rotated through the cache's shift).
-Mask only is the default, measured on SmolLM2-135M (``benchmarks/press_compact.py``, fp32,
-ratio 0.5, 1024-token prompts of the license texts, 128 decode tokens, 2 windows; KL and
-top-1 against the unpressed cache, mask / compact):
-
-    snapkv     KL 0.0233 / 0.0235, 0.0256 / 0.0337    top-1 0.922 / 0.906, 0.922 / 0.914
-    streaming  KL 0.0337 / 0.0333, 0.0662 / 0.0683    top-1 0.930 / 0.914, 0.898 / 0.898
-    knorm      KL 0.43 / 0.265 (window 0)             top-1 0.734 / 0.781
-
-For the presses worth using, mask only is as close or closer to the full cache, costs
-nothing (compaction re-rotates every moved key of every layer, and re-quantizes them for a
-codec that stores keys after RoPE), keeps positions stable (no bookkeeping for the caller,
-kvpress's semantics). Compaction helps knorm (it leaves gaps near the newest tokens):
-``knorm:0.5,compact=1``.
+Mask only is the default: as close or closer to the full cache for the presses worth using,
+free (compaction re-rotates, and may re-quantize, every moved key of every layer) and stable
+positions; compaction helps knorm (``knorm:0.5,compact=1``). Why and what it bought:
+docs/design/presses.md.
 """
 
 from __future__ import annotations

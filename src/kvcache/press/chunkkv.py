@@ -13,12 +13,10 @@ whole chunks, the count is exact: the last chunk taken contributes only its best
     kept        whole chunks by (score desc, earlier first) while they fit, then the best
                 cells of the next chunk (ties: the earlier position) up to the target
 
-Measured on SmolLM2-135M (``benchmarks/long_context.py`` needles, 1k tokens): chunks make
-every scoring press keep needles far more often (each needle's tokens stay together), and
-key norm, the worst press cell by cell, becomes the best: default ``inner=knorm``,
-``chunk=32`` (8, 16, 32, 64 tried; see the README's presses section). For running text
-pressed during decode the same default is the worst choice (``benchmarks/kv_quality.py
---press-decode``: +55 % perplexity at 1/4 of the history, ``inner=snapkv`` +16 %).
+Chunks make every scoring press keep needles far more often (each needle's tokens stay
+together), and key norm, the worst press cell by cell, becomes the best: default
+``inner=knorm``, ``chunk=32``. For running text pressed during decode the same default is the
+worst choice (``inner=snapkv`` there). Why and what it bought: docs/design/presses.md.
 """
 
 from __future__ import annotations

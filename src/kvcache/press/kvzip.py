@@ -17,9 +17,7 @@ over the sinks, the chunk's own cells and the repeat so far (kvpress's subsample
                sinks and the template prefix (``skip`` cells, never repeated): 1, the top
 
 One decision per cell then as every press here (``base.py``), or by whole chunks of cells:
-``chunkkv:0.5,inner=kvzip``, the better on SmolLM2-135M's needles (a first trial at 1k tokens,
-fp32, 30 samples, ratio 0.5: 25 answers by chunks, 22 by cells, 26 without a press; the
-README has the long_context figures).
+``chunkkv:0.5,inner=kvzip``, the better on SmolLM2-135M's needles (docs/results/index.md).
 
 What it needs beyond a press: the model and its prompt tokens, bound once
 (``press.bind(Reconstruction(...))`` or ``Reconstruction.for_template``), and the context's

@@ -16,19 +16,13 @@ over the cells the row sees, as SnapKV's):
 output projections are read once, at ``bind``: a press that needs them is bound to a model
 (``press.bind(model)``; the engine and the benchmarks do it). Every cost is a move of the
 same residual stream, so the cell score is the plain sum over layers and heads (the
-``base.py`` rule, min-max per head, ranks by each head's shape instead: +10.4 % ΔPPL
-against +5.5 % at 1/2 below, a scratch run).
+``base.py`` rule, min-max per head, ranks by each head's shape instead, and reads worse).
 The window's own cells are kept (SnapKV's rule: they score their layer's largest score in
 every head, so their sums top every other cell's; when they alone fill the budget every cell
 is scored), then the newest cell, then the largest sums.
 
-Measured on SmolLM2-135M (``benchmarks/kv_quality.py --windows 1 --press-decode``: 1,024
-license-text tokens decoded after a 1,024-token prompt, the cache pressed back to CAP of the
-history every 16 steps; the README's presses section), ΔPPL against the unpressed fp32 cache:
-at CAP 1/2, +5.5 % (fp32), +5.6 % (int8), +7.0 % (kivi4) against snapkv's +9.2 / +8.9 /
-+10.9 %; at 1/4 no better than snapkv (+16.5 % against +15.5 %). A simulation with the whole
-future known (``benchmarks/press_bounds.py --modes cellout``) puts the same measure's reach
-for one decision per cell at +3.6 % (1/2) and +11.3 % (1/4).
+A press for running text pressed during decode (at 1/2 of the history it beats snapkv; at
+1/4 it does not); why and what it bought: docs/design/presses.md.
 """
 
 from __future__ import annotations
