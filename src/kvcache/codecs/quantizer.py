@@ -28,10 +28,10 @@ bought: docs/design/turbo.md):
 Speed: float32 rows on the CPU go through the C++ encoder (``kvcache.kernels.encode.turbo``,
 codebook codes of keys and values), which equals the torch expressions of :class:`HeadStack`
 bit for bit; those (other devices, QJL keys, ``KVCACHE_ENCODE=reference``) run all heads of a
-push as one batched pipeline, one op per step for every head. Every step treats rows independently and
-sums in a fixed order (the rotation as butterflies, ``rotation.py``; :func:`fixed_sum`;
-correctly rounded roots, :func:`correct_sqrt`), so a vector's codes do not depend on what
-it was encoded with, nor on which of the two encoded it.
+push as one batched pipeline, one op per step for every head. Every step treats rows
+independently and sums in a fixed order (the rotation as butterflies, ``rotation.py``;
+:func:`fixed_sum`; correctly rounded roots, :func:`correct_sqrt`), so a vector's codes do not
+depend on what it was encoded with, nor on which of the two encoded it.
 
 Devices: a quantizer's tensors (rotation, codebooks, sketch) live on its ``device``
 (``device.py`` says which are served); inputs must be on it too.
