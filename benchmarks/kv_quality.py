@@ -1,7 +1,7 @@
 """KV codec quality on real SmolLM2-135M: perplexity, KL and top-1 vs the fp32 cache, bytes
 per token, decode speed at 2k, and attention-output cosine per layer on real K/V.
 
-Protocol (issue 5): the Debian license texts (/usr/share/common-licenses, regular files
+Protocol: the Debian license texts (/usr/share/common-licenses, regular files
 concatenated in sorted name order), first 8192 tokens, no BOS, in 4 fresh windows of 2048.
 Each window is a 1024-token prefill followed by 64-token cached chunks, and only tokens
 1024..2047 of each window are scored (4096 tokens), so every scored token reads the codec's
@@ -18,18 +18,17 @@ with ``--press-decode`` the pressed rows' ΔPPL and total compression go to OUT_
     python benchmarks/kv_quality.py --codecs fp32 --windows 2 --window 8192 \
         --press-decode snapout:0.5 --cap 0.25 --out kv_quality_press_8k   # SmolLM2's context
 
-Decode-time pressing (issue 14, ``--press-decode SPEC [SPEC ...]``, needs ``kvcache.press``): each
+Decode-time pressing (``--press-decode SPEC [SPEC ...]``, needs ``kvcache.press``): each
 window's prefill and its scored tokens run under the press, the scored tokens one per
 decode step; after the first scored step and every ``--every`` steps after it,
 ``press.during_decode(max_cells=CAP * history)`` evicts the cache back to CAP of the
 tokens seen so far (the cap follows the history, so the prefill is pressed to CAP too).
 Each codec listed gets a pressed row, judged against the fp32 cache without a press;
 ``held_fraction`` is the mean share of the history the cache held over the scored tokens
-(CAP to CAP + every / history), ``total_compression`` the mean of issue 14's total
+(CAP to CAP + every / history), ``total_compression`` the mean of the total
 compression over them (``kvcache.press.total_compression``: fp16 bytes of the history so far
 / the bytes the cache's cells hold, codes, scales and fp16 windows included): a press and a
-codec multiply, less the codec's fixed fp16 window of recent rows (turbo4 capped at 5/8 of a
-2k window's history: 4.22x, README).
+codec multiply, less the codec's fixed fp16 window of recent rows.
 
 ``--window N`` makes each window N tokens (up to SmolLM2's 8192): the last 1024 are scored
 as above, after a prefill of the other N - 1024 (decode-time pressing then caps a longer
@@ -38,8 +37,8 @@ history). The decode speed and the bytes at 2k stay measured at 2048.
 ``--spread`` runs each codec twice more with every key moved by one float32 ulp before the
 cache stores it (up, then down): the rounding difference numerically equivalent computations
 make. ``dppl_lo`` / ``dppl_hi`` span the three ΔPPLs: a 4-bit codec's moves by tenths of a
-point or more with rounding alone (kivi4 +0.38 -> +0.82 % from a float32-only change of the
-RMSNorm, README), so two runs whose ΔPPLs differ inside that span do not show a change.
+point or more with rounding alone, so two runs whose ΔPPLs differ inside that span do not
+show a change.
 
 A codec spec is a registry name (both K and V), ``KEY/VALUE`` for different key and value
 codecs, and ``@pre`` / ``@post`` to force where keys are quantized (default: the codec's
@@ -54,17 +53,16 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, license_tokens, table, write_json  # noqa: E402
-from kvcache import Batch, CausalCache  # noqa: E402
-from kvcache.models.llama import Llama  # noqa: E402
-from kvcache.text.tokenizer import Tokenizer  # noqa: E402
+from common import license_tokens
+from harness import plot, table, write_json
+from kvcache import Batch, CausalCache
+from kvcache.models.llama import Llama
+from kvcache.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # kvcache.press is optional here (see --press-decode)
     from kvcache.press.base import Press
@@ -89,7 +87,7 @@ CODECS = [
 WINDOW, PREFILL, CHUNK = 2048, 1024, 64
 SCORED = WINDOW - PREFILL  # the scored tokens at the end of each window, whatever --window
 QUALITY_COLS = ["ppl", "dppl_pct", "kl", "top1"]
-DECODE_PRESS_GOAL = 5.0  # issue 14: ΔPPL in % with the cache capped at 1/4 of the history
+DECODE_PRESS_GOAL = 5.0  # the goal: ΔPPL in % with the cache capped at 1/4 of the history
 DECODE_PRESS_CAP = 0.25  # ... the goal's cap: a looser cap gets no verdict
 
 
@@ -146,7 +144,7 @@ def pressed_logprobs(
 ) -> tuple[torch.Tensor, float, float]:
     """Log-probabilities [SCORED, V] of one window (its last SCORED tokens) decoded one token per
     step with the cache capped by a decode-time press (a spec, or a press object), the mean
-    share of the history the cache held and its mean total compression (issue 14's: fp16
+    share of the history the cache held and its mean total compression (fp16
     bytes of the history / the bytes its cells hold, codes and windows included), both over
     the scored steps."""
     from kvcache.press import make_press, total_compression
@@ -369,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.press_decode and not 0 < args.cap < 1:
         parser.error(f"--cap {args.cap}: expected a fraction in (0, 1)")
     if args.press_decode and importlib.util.find_spec("kvcache.press") is None:
-        parser.error("--press-decode needs kvcache.press (issue 14), not in this checkout")
+        parser.error("--press-decode needs kvcache.press, not in this checkout")
     model = Llama.from_gguf()
     if not WINDOW <= args.window <= model.config.context_length:
         parser.error(f"--window {args.window}: expected {WINDOW}..{model.config.context_length}")
@@ -443,9 +441,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"[{met}] {r['codec']} + {r['press']} capped at {r['cap']:g} of the history "
                 f"({r['total_compression']:.2f}x total compression): ΔPPL {r['dppl_pct']:+.2f}% "
-                f"(issue 14: <= {DECODE_PRESS_GOAL:g}% at 1/4)"
+                f"(goal: <= {DECODE_PRESS_GOAL:g}% at 1/4)"
             )
-    path = write_json(
+    write_json(
         args.out,
         {
             "windows": windows,
@@ -456,31 +454,23 @@ def main(argv: list[str] | None = None) -> int:
             "decode_pressing": pressed,
         },
     )
-    print(f"wrote {path}")
     if len(rows) > 1 or not pressed:
-        _plot(rows, RESULTS / f"{args.out}.png", windows)
+        plot(args.out, lambda fig, ax: _draw(ax, rows, windows), figsize=(8, 5), dpi=120)
     if pressed:  # beside the codecs' plot, or instead of it (the fp32 row alone shows nothing)
-        name = f"{args.out}_press.png" if len(rows) > 1 else f"{args.out}.png"
-        _plot_pressed(pressed, float(fp32["ppl"]), RESULTS / name, window)
+        name = f"{args.out}_press" if len(rows) > 1 else args.out
+        ppl = float(fp32["ppl"])
+        plot(name, lambda fig, ax: _draw_pressed(ax, pressed, ppl, window), figsize=(8, 5), dpi=120)
     return 0
 
 
-def _plot_pressed(
-    pressed: list[dict[str, Any]], ppl: float, path: Path, window: int = WINDOW
-) -> None:
+def _draw_pressed(ax: Any, pressed: list[dict[str, Any]], ppl: float, window: int) -> None:
     """ΔPPL of each codec + decode-time press, bars labelled with their total compression,
     with the issue's goal as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ranked = sorted(pressed, key=lambda r: float(r["dppl_pct"]))
     labels = [f"{r['press']}\n{r['codec']}" for r in ranked]
-    fig, ax = plt.subplots(figsize=(8, 5))
     bars = ax.bar(labels, [float(r["dppl_pct"]) for r in ranked], color="tab:blue")
     ax.bar_label(bars, [f"{float(r['total_compression']):.2f}x" for r in ranked], fontsize=7)
-    ax.axhline(DECODE_PRESS_GOAL, color="black", ls="--", lw=1, label="issue 14 goal (at 1/4)")
+    ax.axhline(DECODE_PRESS_GOAL, color="black", ls="--", lw=1, label="goal (at 1/4)")
     cap = float(ranked[0]["cap"]) if ranked else 0.0
     ax.set(
         ylabel=f"ΔPPL % vs the unpressed cache (PPL {ppl:.1f})",
@@ -490,9 +480,6 @@ def _plot_pressed(
     ax.tick_params(axis="x", labelsize=7)
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
 
 
 def _label(codec: str) -> str:
@@ -503,14 +490,8 @@ def _label(codec: str) -> str:
     )
 
 
-def _plot(rows: list[dict[str, float | str]], path: Path, windows: int) -> None:
+def _draw(ax: Any, rows: list[dict[str, Any]], windows: int) -> None:
     """KL vs fp32 (log) against stored bits per value; labels give ΔPPL and decode speed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
     points = [r for r in rows if r["codec"] != "fp32"]
     for i, r in enumerate(sorted(points, key=lambda r: float(r["kl"]))):
         x, y = float(r["bytes_per_token"]) * 8 / (30 * 2 * 3 * 64), float(r["kl"])
@@ -528,8 +509,6 @@ def _plot(rows: list[dict[str, float | str]], path: Path, windows: int) -> None:
         title="SmolLM2-135M K/V codecs (labels: ΔPPL vs fp32 cache, decode tok/s at 2k)",
     )
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

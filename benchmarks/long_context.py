@@ -1,4 +1,4 @@
-"""Long context within a memory budget (issue 14): a RULER-style suite on SmolLM2-135M that
+"""Long context within a memory budget: a RULER-style suite on SmolLM2-135M that
 judges eviction presses composed with the K/V codecs.
 
 Protocol (query-agnostic, as kvpress evaluates presses): for each sample of
@@ -14,7 +14,7 @@ interval (the same resampled samples in both scores: at 10 samples a cell, one a
 several points of retention), and its **total compression** = fp16 bytes of the context /
 bytes the cache holds after the press. Writes
 benchmarks/results/long_context.json and long_context.png (retention against total
-compression, one line per press x codec). Goals (issue 14), printed met / missed / not
+compression, one line per press x codec). Goals, printed met / missed / not
 measured: retention >= 97 % at 4x total compression and >= 90 % at 8x; at every ratio
 >= 0.5 the best press beats StreamingLLM (same codec); pressing costs <= 10 % of the
 prefill, where the cost is (prefill under ``observe`` + ``compress``) / the same codec's
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -55,14 +54,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LICENSES, RESULTS, machine, table  # noqa: E402
-from kv_quality import held_bytes, make_cache  # noqa: E402
-from kvcache import Batch, CausalCache  # noqa: E402
-from kvcache.models.llama import Llama  # noqa: E402
-from kvcache.press.kvzip import Reconstruction  # noqa: E402
-from kvcache.text.tokenizer import Tokenizer  # noqa: E402
-from ruler_tasks import TASKS, Corpus, PromptFormat, Sample, make_sample, string_match_all  # noqa: E402
+from common import LICENSES
+from harness import RESULTS, plot, table, write_json
+from kv_quality import held_bytes, make_cache
+from kvcache import Batch, CausalCache
+from kvcache.models.llama import Llama
+from kvcache.press.kvzip import Reconstruction
+from kvcache.text.tokenizer import Tokenizer
+from ruler_tasks import TASKS, Corpus, PromptFormat, Sample, make_sample, string_match_all
 
 LENGTHS = [1024, 2048, 4096, 8192]
 QUICK_LENGTHS = [1024, 2048]
@@ -71,7 +70,7 @@ RATIOS = [0.25, 0.5, 0.75]
 CODECS = ["fp32", "int8", "kivi4", "turbo4"]
 KEEP = 0.70  # a cell is kept when the fp32 cache without a press scores at least this
 CHUNK = 1024  # prefill chunk (tokens per forward)
-# goals of issue 14: (total compression at least, retention at least)
+# goals: (total compression at least, retention at least)
 COMPRESSION_GOALS = [(4.0, 0.97), (8.0, 0.90)]
 PRESS_COST_GOAL = 0.10  # pressing costs at most this fraction of the prefill it follows
 COST_RATIO = 0.5  # the press costs are timed at this ratio (scoring does not depend on it)
@@ -404,7 +403,7 @@ def _interval(row: dict[str, Any]) -> str:
 
 
 def goals(rows: list[dict[str, Any]], costs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 14's goals, each met / missed / not measured, with the configuration that decides
+    """The goals, each met / missed / not measured, with the configuration that decides
     (``costs``: ``press_costs``' rows)."""
     out: list[dict[str, Any]] = []
     for need_x, need_r in COMPRESSION_GOALS:
@@ -515,7 +514,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if any(p != "none" for p in args.presses):
         if importlib.util.find_spec("kvcache.press") is None:
-            parser.error("press specs need kvcache.press (issue 14), not in this checkout")
+            parser.error("press specs need kvcache.press, not in this checkout")
         from kvcache.press import make_press
 
         for spec in args.presses:  # a bad spec fails now, not after the calibration
@@ -606,12 +605,9 @@ def report(
         "press_costs": costs,
         "goals": results,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_json(Path(args.json), payload)
     if kept:
-        plot(summary, args.png)
-        print(f"wrote {args.png}")
+        plot(Path(args.png), lambda fig, ax: draw(ax, summary), figsize=(8, 5), dpi=120)
 
 
 def _calibration(base: dict[str, dict[str, Any]], kept: list[str]) -> str:
@@ -622,14 +618,9 @@ def _calibration(base: dict[str, dict[str, Any]], kept: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def draw(ax: Any, rows: list[dict[str, Any]]) -> None:
     """Retention against total compression: one line per press x codec over its ratios, and
     one line through the codecs without a press."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lines: dict[str, list[tuple[float, float, float, float]]] = {}
     for r in rows:
         cfg = Config(str(r["press"]), str(r["codec"]))
@@ -639,7 +630,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         below = y - 100 * float(lo) if lo is not None else 0.0
         above = 100 * float(hi) - y if hi is not None else 0.0
         lines.setdefault(label, []).append((float(r["compression"]), y, below, above))
-    fig, ax = plt.subplots(figsize=(8, 5))
     for label, points in sorted(lines.items()):
         xs, ys, below, above = zip(*sorted(points), strict=True)
         bars = [below, above] if any(below) or any(above) else None  # the bootstrap interval
@@ -656,9 +646,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

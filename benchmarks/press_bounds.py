@@ -1,4 +1,4 @@
-"""Bounds of decode-time pressing (issue 14): would a better choice of cells reach ΔPPL <= 5 %
+"""Bounds of decode-time pressing: would a better choice of cells reach ΔPPL <= 5 %
 with the cache capped at 1/4 of the history?
 
 The protocol of ``kv_quality.py --press-decode`` (SmolLM2-135M, fp32, 2048-token windows
@@ -49,7 +49,7 @@ unpressed cache. Twelve ways to choose what stays, each at every ``--caps`` valu
 The oracles that see ``--every`` queries ahead do no better than snapkv; those that see the
 whole future (``futureattn``, ``futureout``) come within the goal's reach: what a quarter of
 the history must hold is what the queries far ahead will need, per head, and that is what a
-causal press has to predict (README, issue 14). ``cellout`` is the same foresight for a cell
+causal press has to predict. ``cellout`` is the same foresight for a cell
 cache (one decision per cell, the memory really freed): far above the goal at 1/4.
 ``globalout`` moves budget between heads with the same foresight: the more it moves, the
 worse (equal budgets per head are best).
@@ -73,7 +73,6 @@ import math
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,16 +80,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kv_quality as kq  # noqa: E402
-from common import RESULTS, license_tokens, table, write_json  # noqa: E402
-from kvcache import Batch, CausalCache  # noqa: E402
-from kvcache.forward import ForwardPlan  # noqa: E402
-from kvcache.models.llama import Llama  # noqa: E402
-from kvcache.models.rope import Rope  # noqa: E402
-from kvcache.press.base import Press, Scoring, aggregate, newest_first, top_cells  # noqa: E402
-from kvcache.press.snapkv import KERNEL, WINDOW  # noqa: E402
-from kvcache.press.snapout import moved, out_factor  # noqa: E402
+import kv_quality as kq
+from common import license_tokens
+from harness import plot, table, write_json
+from kvcache import Batch, CausalCache
+from kvcache.forward import ForwardPlan
+from kvcache.models.llama import Llama
+from kvcache.models.rope import Rope
+from kvcache.press.base import Press, Scoring, aggregate, newest_first, top_cells
+from kvcache.press.snapkv import KERNEL, WINDOW
+from kvcache.press.snapout import moved, out_factor
 
 MODES = (
     "snapkv",
@@ -554,10 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [pooled([r[i] for r in per_window]) for i in range(len(per_window[0]))]
     ppl = rows[0]["base_ppl"]
     print(f"\nunpressed fp32 PPL {ppl:.3f} ({args.windows} windows)\n{table(rows, COLS)}")
-    out = {"ppl": ppl, "every": args.every, "windows": args.windows, "rows": rows}
-    path = write_json(args.json, out)
-    print(f"wrote {path}")
-    plot(rows, RESULTS / f"{args.json}.png", args.windows)
+    write_json(args.json, {"ppl": ppl, "every": args.every, "windows": args.windows, "rows": rows})
+    plot(args.json, lambda fig, ax: draw(ax, rows, args.windows), figsize=(7, 4.5))
     return 0
 
 
@@ -632,17 +629,12 @@ def window_rows(model: Llama, tokens: list[int], args: argparse.Namespace) -> li
     return rows
 
 
-def plot(rows: list[dict[str, Any]], path: Path, windows: int = 1) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def draw(ax: Any, rows: list[dict[str, Any]], windows: int = 1) -> None:
+    """ΔPPL against the cap, a line per mode, the goal as a line."""
     for mode in dict.fromkeys(r["mode"] for r in rows):
         pts = sorted((r["cap"], r["dppl_pct"]) for r in rows if r["mode"] == mode)
         ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
-    ax.axhline(kq.DECODE_PRESS_GOAL, color="black", ls="--", lw=1, label="issue 14 goal (at 1/4)")
+    ax.axhline(kq.DECODE_PRESS_GOAL, color="black", ls="--", lw=1, label="goal (at 1/4)")
     ax.set(
         xlabel="cells kept / tokens seen",
         ylabel="ΔPPL % vs the unpressed cache",
@@ -651,9 +643,6 @@ def plot(rows: list[dict[str, Any]], path: Path, windows: int = 1) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
