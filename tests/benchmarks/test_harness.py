@@ -71,8 +71,8 @@ def test_timed_contenders_and_paired_ratios() -> None:
         assert harness.timed(lambda: None)() == 1.0
     finally:
         harness.time.perf_counter = clock  # type: ignore[assignment]
-    # per round a/b: 2.0, 0.5, 2.0 -> 2.0, where the ratio of the medians is 12 / 20
-    assert harness.paired_ratio([10.0, 40.0, 12.0], [5.0, 80.0, 6.0]) == pytest.approx(2.0)
+    # per round a/b: 0.5, 2.0, 0.5 -> 0.5, where the ratio of the medians is 12 / 20
+    assert harness.paired_ratio([10.0, 40.0, 12.0], [20.0, 20.0, 24.0]) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="the same number"):
         harness.paired_ratio([1.0, 2.0], [1.0])
     lo, hi = harness.median_interval([0.9] * 20 + [1.1] * 20)
