@@ -1,5 +1,5 @@
 """Mask-only eviction vs compaction after a press, on real SmolLM2-135M: decode quality
-and the cost of pressing (issue 14: "measure both and keep the better as default").
+and the cost of pressing (measure both, keep the better as the default).
 
 Protocol: the Debian license texts (``common.license_tokens``), ``--windows`` windows of
 PREFILL + SCORED tokens. Each window's first PREFILL tokens are prefilled under
@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import license_tokens, table, write_json  # noqa: E402
-from kvcache import Batch  # noqa: E402
-from kvcache.models.llama import Llama  # noqa: E402
-from kvcache.press import make_press  # noqa: E402
-from kvcache.text.tokenizer import Tokenizer  # noqa: E402
+from common import license_tokens
+from harness import table, write_json
+from kvcache import Batch
+from kvcache.models.llama import Llama
+from kvcache.press import make_press
+from kvcache.text.tokenizer import Tokenizer
 
 PREFILL, SCORED, CHUNK = 1024, 128, 256
 
@@ -64,14 +62,14 @@ class _nothing:
         return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 window, snapkv and streaming")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--presses", nargs="+", default=["snapkv", "streaming", "knorm"])
     ap.add_argument("--codecs", nargs="+", default=["fp32", "kivi4"])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.windows, args.presses, args.codecs = 1, ["snapkv", "streaming"], ["fp32"]
     model = Llama.from_gguf()

@@ -15,7 +15,7 @@ weights, ``--threads`` torch threads; prompt = the first N tokens of the Debian 
    the codec's bytes per row, the fp16 recent-window rows, metadata records) and (b) the
    codec's bytes per token times the tokens (every row encoded: what a long sequence tends to).
 
-Goals (issue 12): restore >= 20x faster than recompute at 4k (warm); file within 1 % of the
+Goals: restore >= 20x faster than recompute at 4k (warm); file within 1 % of the
 codec's bytes (a: the stored bytes; b is reported, the fp16 window makes it larger at 1k).
 
     python benchmarks/snapshots.py             # 1k and 4k; fp32 int8 int4 kivi4 turbo4
@@ -31,7 +31,6 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,13 +39,12 @@ from typing import Any
 
 import torch
 
+from common import license_tokens
+from harness import plot, table, write_json
 from kvcache import Batch, CausalCache
 from kvcache.models.llama import Llama
 from kvcache.snapshot import Snapshot
 from kvcache.text.tokenizer import Tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, license_tokens, table, write_json  # noqa: E402
 
 CODECS = ("fp32", "int8", "int4", "kivi4", "turbo4")
 RESTORE_GOAL = 20.0  # restore (warm) vs recompute at the longest prompt
@@ -154,18 +152,10 @@ def measure(
     }
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+def draw(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Seconds per prompt: recompute, restore from the page cache, restore from the disk."""
     labels = [f"{r['codec']}\n{r['tokens']}" for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
     width = 0.27
     for i, (key, name) in enumerate(
         (("recompute_s", "recompute"), ("restore_warm_s", "restore (page cache)"),
@@ -177,12 +167,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("seconds per prompt")
     ax.set_title("SmolLM2-135M: restoring a prompt's K/V vs computing it")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -193,7 +180,7 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens (512)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (2)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
     args.lengths = args.lengths or preset["lengths"]
     args.codecs = args.codecs or preset["codecs"]
@@ -202,7 +189,8 @@ def main() -> int:
     model = Llama.from_gguf()
     ids = license_tokens(Tokenizer.from_gguf(), max(args.lengths))
     rows = []
-    with tempfile.TemporaryDirectory(prefix="snapshots-", dir=RESULTS.parent) as tmp:
+    here = Path(__file__).resolve().parent  # on the disk: /tmp may be RAM, never read cold
+    with tempfile.TemporaryDirectory(prefix="snapshots-", dir=here) as tmp:
         for n in args.lengths:
             for codec in args.codecs:
                 rows.append(measure(model, ids[:n], codec, args, Path(tmp)))
@@ -238,10 +226,9 @@ def main() -> int:
     for name, g in goals.items():
         print(f"{name}: {g['value']} (goal {g['goal']}) {'met' if g['met'] else 'NOT met'}")
     name = "snapshots_quick" if args.quick else "snapshots"
-    path = write_json(name, {"args": vars(args), "rows": rows, "goals": goals})
-    print(f"wrote {path}")
+    write_json(name, {"args": vars(args), "rows": rows, "goals": goals})
     if not args.no_plot:
-        plot(rows, path.with_suffix(".png"))
+        plot(name, lambda fig, ax: draw(ax, rows), figsize=(max(6, len(rows) * 0.9), 4))
     return 0
 
 
