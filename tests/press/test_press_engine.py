@@ -3,10 +3,14 @@ on, the stats book what was freed, and bytes held against the history seen."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
-from kvcache import Batch
+from greedy_reference import random_prompt
+from kvcache import Batch, CausalCache
+from kvcache.engine import Engine, EngineConfig, Request, RequestParams
 from kvcache.errors import InvalidArgumentError
 from kvcache.generate import GenerationConfig, Generator
 from kvcache.models.llama import Llama
@@ -106,22 +110,54 @@ def test_generator_kvzip_repeats_each_context_through_the_model(history_model: L
 
 
 def by_hand_decode(
-    model: Llama, prompt: list[int], spec: str, n: int, cells: int, every: int
+    model: Llama,
+    prompt: list[int],
+    spec: str,
+    n: int,
+    cells: int,
+    every: int,
+    preempted: Sequence[int] = (),
+    recompute: bool = False,
 ) -> tuple[list[int], int]:
     """Greedy tokens and cells freed: the prompt pressed by the spec's ratio, then after
-    every ``every``-th decode step back to ``cells`` once it holds more."""
+    every ``every``-th decode step back to ``cells`` once it holds more. ``preempted``: the
+    numbers of tokens generated when the request lost its cells, as the engine's pressing
+    docstring says it goes on: spilled, its cells come back as stored and its steps and
+    queries count from the restore; recomputed (``recompute``), the tokens its cells held
+    and its last token are prefilled again and pressed as a prompt."""
     cache = model.new_cache(160)
     press = make_press(spec).bind(model)
-    with press.observe(cache):
-        logits = model.forward(prompt, Batch(list(range(len(prompt))), [0] * len(prompt)), cache)
-        freed = press.compress(cache, 0)
+    context = list(prompt)  # the tokens at positions 0.. (a compacting press renumbers them)
+
+    def pressed(keep: int | None) -> int:
+        before, positions = cache.cells_of(0), np.asarray(cache.positions(0))
+        freed = press.compress(cache, 0) if keep is None else press.compress_to(cache, 0, keep)
+        if press.compact and freed:
+            context[:] = [context[p] for p in positions[np.isin(before, cache.cells_of(0))]]
+        return freed
+
+    with press.observe(cache) as window:
+        logits = model.forward(context, Batch(list(range(len(context))), [0] * len(context)), cache)
+        freed = pressed(None)
         out, steps = [int(logits[-1].argmax())], 0
         while len(out) < n:
+            if len(out) in preempted:
+                window.forget(0)
+                steps = 0
+                if recompute:
+                    cache.remove(0, 0)
+                    context.append(out[-1])
+                    batch = Batch(list(range(len(context))), [0] * len(context))
+                    logits = model.forward(context, batch, cache)
+                    freed += pressed(None)
+                    out.append(int(logits[-1].argmax()))
+                    continue
             p = cache.next_position(0)
             logits = model.forward([out[-1]], Batch([p], [0]), cache)
+            context.append(out[-1])
             steps += 1
             if steps % every == 0 and len(cache.cells_of(0)) > cells:
-                freed += press.compress_to(cache, 0, cells)
+                freed += pressed(cells)
             assert steps < every or len(cache.cells_of(0)) < cells + every
             out.append(int(logits[0].argmax()))
     return out, freed
@@ -209,10 +245,8 @@ def test_decode_pressing_goes_on_through_preemption(
 ) -> None:
     """4 requests of 20 + 60 tokens in a pool of 96 cells, each pressed back to 24 cells:
     a request is preempted (spilled and restored, or recomputed) and every one still runs
-    its length, pressed after it comes back (by the queries seen since)."""
-    from greedy_reference import random_prompt
-    from kvcache.engine import Engine, EngineConfig, RequestParams
-
+    its length, pressed after it comes back (by the queries seen since): its tokens and the
+    cells freed are those of the library by hand through the same preemptions."""
     config = EngineConfig(
         capacity=96,
         max_sequences=4,
@@ -224,15 +258,28 @@ def test_decode_pressing_goes_on_through_preemption(
         preemption=preemption,
     )
     engine = Engine(history_model, config=config)
-    reqs = [
-        engine.submit(random_prompt(20, seed=30 + i), RequestParams(max_tokens=60))
-        for i in range(4)
-    ]
+    preempted: dict[int, list[int]] = {}  # request id -> tokens it had generated
+    preempt = engine.preemption.preempt
+
+    def spy(cache: CausalCache, request: Request) -> None:
+        assert request.fed == len(request.context) - 1, "preempted while decoding"
+        preempted.setdefault(request.id, []).append(len(request.generated))
+        preempt(cache, request)
+
+    engine.preemption.preempt = spy  # type: ignore[method-assign]
+    prompts = [random_prompt(20, seed=30 + i) for i in range(4)]
+    reqs = [engine.submit(p, RequestParams(max_tokens=60)) for p in prompts]
     engine.run()
     s = engine.stats
-    assert all(r.finish_reason == "length" and len(r.generated) == 60 for r in reqs)
-    assert s.preemptions >= 1 and s.restores == s.spills == (
-        s.preemptions if preemption == "spill" else 0
-    )
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert s.preemptions == sum(len(v) for v in preempted.values()) >= 1
+    assert s.restores == s.spills == (s.preemptions if preemption == "spill" else 0)
+    want = [
+        by_hand_decode(
+            history_model, p, spec, 60, 24, 4, preempted.get(r.id, ()), preemption == "recompute"
+        )
+        for p, r in zip(prompts, reqs, strict=True)
+    ]
+    assert [r.generated for r in reqs] == [w[0] for w in want]
     # 4 x 79 cells fed (the recomputed context once more), at most 27 held at each end
-    assert s.pressed_cells >= 4 * (79 - 27)
+    assert s.pressed_cells == sum(w[1] for w in want) >= 4 * (79 - 27)
