@@ -23,6 +23,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvcache.validate import config_int
 
@@ -52,14 +53,35 @@ def chain_hashes(
     return out
 
 
-class PrefixIndex:
-    """Block hashes -> holder sequences, with least-recently-used order over holders."""
+class IndexListener(Protocol):
+    """Told when a block hash enters the index (its first holder) or leaves it (its last)."""
 
-    def __init__(self, block_size: int = 16, namespace: str = "") -> None:
+    def stored(
+        self, hashes: Sequence[bytes], parent: bytes | None, tokens: Sequence[int], salt: str | None
+    ) -> None:
+        """Consecutive new blocks after ``parent``; ``salt`` is set when they start at block 0."""
+        ...
+
+    def removed(self, hashes: Sequence[bytes]) -> None: ...
+
+
+class PrefixIndex:
+    """Block hashes -> holder sequences, with least-recently-used order over holders.
+
+    Each indexed hash keeps its block's tokens (and, for a first block, its salt), so a
+    ``listener`` can name what entered; a holder always holds a whole prefix, so a block's
+    parent is indexed whenever it is.
+    """
+
+    def __init__(
+        self, block_size: int = 16, namespace: str = "", listener: IndexListener | None = None
+    ) -> None:
         self.block_size = config_int("block_size", block_size, 1)
         self.seed = namespace.encode()
         self.holders: OrderedDict[int, list[bytes]] = OrderedDict()  # LRU first
         self.by_hash: dict[bytes, OrderedDict[int, None]] = {}  # hash -> holders (newest last)
+        self.content: dict[bytes, tuple[tuple[int, ...], str | None]] = {}  # hash -> tokens, salt
+        self.listener = listener
 
     def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[bytes]:
         return chain_hashes(tokens, self.block_size, self.seed, salt)
@@ -80,11 +102,28 @@ class PrefixIndex:
 
     def insert(self, holder: int, tokens: Sequence[int], salt: str | None = None) -> int:
         """Register ``holder`` as holding ``tokens`` at positions 0..; returns blocks indexed."""
-        self.drop(holder, 0)
         hashes = self.hashes(tokens, salt)
+        kept = set(hashes)
+        old = self.holders.pop(holder, [])
+        self._release(holder, [h for h in old if h not in kept])
         self.holders[holder] = hashes
-        for h in hashes:
-            self.by_hash.setdefault(h, OrderedDict())[holder] = None
+        b = self.block_size
+        new: list[int] = []
+        for i, h in enumerate(hashes):
+            owners = self.by_hash.get(h)
+            if owners is None:
+                owners = self.by_hash[h] = OrderedDict()
+                self.content[h] = (tuple(tokens[i * b : (i + 1) * b]), salt if i == 0 else None)
+                new.append(i)
+            owners.pop(holder, None)
+            owners[holder] = None  # the newest holder of h
+        if self.listener is not None:
+            for start, end in _runs(new):
+                parent = hashes[start - 1] if start else None
+                first_salt = salt if start == 0 else None
+                self.listener.stored(
+                    hashes[start:end], parent, tokens[start * b : end * b], first_salt
+                )
         return len(hashes)
 
     def drop(self, holder: int, from_block: int) -> None:
@@ -92,15 +131,30 @@ class PrefixIndex:
         hashes = self.holders.get(holder)
         if hashes is None:
             return
-        for h in hashes[from_block:]:
-            holders = self.by_hash[h]
-            del holders[holder]
-            if not holders:
-                del self.by_hash[h]
+        self._release(holder, hashes[max(from_block, 0) :])
         if from_block <= 0:
             del self.holders[holder]
         else:
             self.holders[holder] = hashes[:from_block]
+
+    def _release(self, holder: int, hashes: Sequence[bytes]) -> None:
+        """``holder`` no longer holds ``hashes``; those nobody else holds leave the index."""
+        gone = []
+        for h in hashes:
+            owners = self.by_hash[h]
+            del owners[holder]
+            if not owners:
+                del self.by_hash[h]
+                del self.content[h]
+                gone.append(h)
+        if gone and self.listener is not None:
+            self.listener.removed(gone)
+
+    def clear(self) -> None:
+        """Forget every holder at once (the listener is not told block by block)."""
+        self.holders.clear()
+        self.by_hash.clear()
+        self.content.clear()
 
     def lru(self) -> list[int]:
         """Holders, least recently used first."""
@@ -111,3 +165,14 @@ class PrefixIndex:
 
     def __contains__(self, holder: object) -> bool:
         return holder in self.holders
+
+
+def _runs(indexes: list[int]) -> list[tuple[int, int]]:
+    """[start, end) ranges of the consecutive ints of a sorted list."""
+    runs: list[list[int]] = []
+    for i in indexes:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [(start, end) for start, end in runs]

@@ -587,6 +587,47 @@ def test_shared_system_prompt_is_reused_and_counted(served, smollm2):
     }
 
 
+# ---- what routers probe ------------------------------------------------------------------
+def test_router_probes_answer(served):
+    """sglang-router / vllm-router read these at registration and for load; a 404 makes them
+    fall back to deprecated names."""
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(f"{served.url}{path}", timeout=TIMEOUT).json()
+        assert info["served_model_name"] == MODEL and info["page_size"] == 16
+        assert info["vllm_config"]["cache_config"]["block_size"] == 16
+        assert info["max_running_requests"] == served.engine.config.max_sequences
+    for path in ("/model_info", "/get_model_info"):
+        info = httpx.get(f"{served.url}{path}", timeout=TIMEOUT).json()
+        assert info["is_generation"] is True and info["max_context_length"] == CAPACITY
+    served.wait_idle()
+    [load] = httpx.get(f"{served.url}/get_load", timeout=TIMEOUT).json()
+    assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    assert httpx.get(f"{served.url}/health_generate", timeout=TIMEOUT).status_code == 200
+    assert httpx.get(f"{served.url}/version", timeout=TIMEOUT).json()["version"]
+
+
+@pytest.mark.parametrize("path", ["/reset_prefix_cache", "/flush_cache"])
+def test_reset_prefix_cache_empties_the_pool_only_when_idle(served, path):
+    client = served.client()
+    client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=2, temperature=0)
+    served.wait_idle()
+    assert served.engine.reuse.blocks() > 0
+    busy = served.loop.submit([1] * 8, RequestParams(max_tokens=200, ignore_eos=True))
+    try:
+        r = httpx.post(f"{served.url}{path}", timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "cache_in_use"
+        assert served.engine.reuse.blocks() > 0  # nothing changed
+    finally:
+        busy.cancel()
+        served.loop.wake()
+    served.wait_idle()
+    r = httpx.post(f"{served.url}{path}", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["success"] is True
+    assert served.engine.reuse.blocks() == 0 and served.engine.metrics()["cells_used"] == 0
+    again = client.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # computed anew
+
+
 def test_cache_salt_separates_tenants_over_http(served):
     """Same system prompt, three tenants: the same salt reuses its blocks, another salt and
     no salt reuse none of them (the cached_tokens of OpenAI's usage)."""

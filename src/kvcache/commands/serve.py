@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from kvcache.commands.options import add_kv_codec, add_press, check_kv_codec, ch
 if TYPE_CHECKING:
     import torch
 
+    from kvcache.engine.events import KVEvents
     from kvcache.engine.params import EngineConfig
     from kvcache.engine.scheduler import Engine
     from kvcache.engine.store import BlockStore
@@ -24,6 +26,8 @@ EPILOG = """\
 endpoints:
   POST /v1/completions, POST /v1/chat/completions   (OpenAI shapes; "stream": true = SSE)
   GET /v1/models, GET /health, GET /metrics          (Prometheus text)
+
+KV events (--kv-events): vLLM's schema; see kvcache.engine.events for the wire format.
 
 examples:
   kvcache serve                                       SmolLM2 on http://127.0.0.1:8000
@@ -89,6 +93,23 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish KV events (vLLM's schema: BlockStored / BlockRemoved / "
+        "AllBlocksCleared, msgpack over ZMQ PUB) on this bound endpoint, e.g. "
+        "tcp://127.0.0.1:5557",
+    )
+    parser.add_argument(
+        "--kv-events-replay",
+        default=None,
+        metavar="ENDPOINT",
+        help="answer replay requests for recent event batches here (vLLM's replay socket)",
+    )
+    parser.add_argument(
+        "--kv-events-topic", default="", metavar="TOPIC", help="ZMQ topic of the events ('')"
+    )
     add_kv_codec(parser)
     add_press(parser)
     parser.add_argument(
@@ -134,8 +155,33 @@ def run(args: argparse.Namespace) -> int:
 
     identity = model_identity(path, args.dtype)
     engine = Engine(model, tokenizer, config, model_id=identity, store=store)
-    _serve(engine, tokenizer, args.name or path.stem, args)
+    try:
+        events = _publish_events(engine, args)
+    except KVCacheError as exc:
+        engine.close()
+        print(f"kvcache serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _serve(engine, tokenizer, args.name or path.stem, args, path)
+    finally:
+        events.close()
     return 0
+
+
+def _publish_events(engine: Engine, args: argparse.Namespace) -> KVEvents:
+    """The KV-events publisher of ``--kv-events`` (a null one without), watching the engine."""
+    from kvcache.engine.events import NoEvents, ZmqEventPublisher
+
+    if args.kv_events is None:
+        return NoEvents()
+    publisher = ZmqEventPublisher(
+        args.kv_events,
+        replay_endpoint=args.kv_events_replay,
+        topic=args.kv_events_topic,
+        block_size=engine.config.block_size,
+    )
+    engine.reuse.watch(publisher)
+    return publisher
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -146,6 +192,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         raise InvalidArgumentError("--port", args.port, "a port number in [0, 65535]")
     check_kv_codec(args.kv_codec)  # a bad spec fails before the weights load
     check_press(args.press, args.press_cells, args.press_every)
+    _check_events(args)
     return EngineConfig(
         capacity=args.capacity,
         max_sequences=args.max_sequences,
@@ -159,6 +206,24 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         press_cells=args.press_cells,
         press_every=args.press_every,
     )
+
+
+def _check_events(args: argparse.Namespace) -> None:
+    from kvcache.engine.events import check_endpoint
+    from kvcache.errors import InvalidArgumentError
+
+    if args.kv_events is not None:
+        check_endpoint("--kv-events", args.kv_events)
+        if args.no_prefix_cache:
+            raise InvalidArgumentError(
+                "--kv-events", args.kv_events, "used with the prefix cache (no --no-prefix-cache)"
+            )
+    if args.kv_events_replay is not None:
+        check_endpoint("--kv-events-replay", args.kv_events_replay)
+        if args.kv_events is None:
+            raise InvalidArgumentError(
+                "--kv-events-replay", args.kv_events_replay, "used with --kv-events"
+            )
 
 
 def _open_store(spec: str) -> BlockStore | None:
@@ -207,7 +272,25 @@ def _check_context(config: EngineConfig, model: Llama) -> None:
         raise InvalidArgumentError("--capacity", config.capacity, f"at most {limit} (the model's)")
 
 
-def _serve(engine: Engine, tokenizer: Tokenizer, name: str, args: argparse.Namespace) -> None:
+def _tokenizer_file(tokenizer: Tokenizer, identity: str) -> str | None:
+    """The tokenizer as a ``tokenizer.json`` (what sglang-router loads for a worker's model:
+    it cannot read a GGUF), written once under the cache folder; None if it cannot be."""
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcache"
+    path = folder / "tokenizers" / identity / "tokenizer.json"
+    try:
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tokenizer.backend.save(str(tmp))
+            os.replace(tmp, path)
+    except OSError:
+        return None
+    return str(path)
+
+
+def _serve(
+    engine: Engine, tokenizer: Tokenizer, name: str, args: argparse.Namespace, path: Path
+) -> None:
     """Run uvicorn over the engine loop; stop the engine however the server ends."""
     import uvicorn
 
@@ -215,8 +298,25 @@ def _serve(engine: Engine, tokenizer: Tokenizer, name: str, args: argparse.Names
     from kvcache.engine.server import create_app
 
     loop = EngineLoop(engine)
+    events: dict[str, object] = {"enable_kv_cache_events": args.kv_events is not None}
+    if args.kv_events is not None:
+        events |= {
+            "publisher": "zmq",
+            "endpoint": args.kv_events,
+            "replay_endpoint": args.kv_events_replay,
+            "topic": args.kv_events_topic,
+        }
+    tokenizer_file = _tokenizer_file(tokenizer, model_identity(path, args.dtype))
+    info = {
+        # SGLang's model_path is a folder a router can load a tokenizer from: the
+        # tokenizer's own (the weights are a GGUF file, under weights_path)
+        "model_path": str(Path(tokenizer_file).parent) if tokenizer_file else str(path),
+        "tokenizer_path": tokenizer_file,
+        "weights_path": str(path),
+        "kv_events_config": events,
+    }
     try:
-        app = create_app(loop, tokenizer, model_name=name)
+        app = create_app(loop, tokenizer, model_name=name, info=info)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         loop.close()

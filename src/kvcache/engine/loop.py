@@ -10,8 +10,11 @@ keeps serving new requests.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from kvcache.engine.params import RequestParams
 from kvcache.engine.request import Event, Request
@@ -29,6 +32,7 @@ class EngineLoop:
         self._stop = False
         self.error: BaseException | None = None
         self.snapshot: dict[str, float] = engine.metrics()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
         self._thread.start()
 
@@ -51,8 +55,25 @@ class EngineLoop:
     def wake(self) -> None:
         self._wake.set()
 
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on the engine thread between two steps (engine state is that thread's)."""
+        future: Future[Any] = Future()
+        self._calls.put((fn, future))
+        self._wake.set()
+        return future
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            fn, future = self._calls.get()
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
+            self.snapshot = self.engine.metrics()
+
     def _run(self) -> None:
         while not self._stop:
+            self._run_calls()
             if not self.engine.busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

@@ -32,6 +32,7 @@ import torch
 
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
+from kvcache.engine.events import POOL, KVEvents, NoEvents
 from kvcache.engine.pressure import HolderEviction
 from kvcache.engine.request import Request
 from kvcache.engine.stats import EngineStats
@@ -39,6 +40,7 @@ from kvcache.engine.store import (
     BlockIdentity,
     BlockStore,
     CorruptBlockError,
+    MemoryStore,
     decode_block,
     encode_block,
 )
@@ -88,6 +90,28 @@ class NoReuse:
     def blocks(self) -> int:
         return 0
 
+    def watch(self, events: KVEvents) -> None:
+        return None
+
+    def reset(self) -> bool:
+        return True
+
+
+class _MediumEvents:
+    """Index changes reported as events of one medium (the pool's)."""
+
+    def __init__(self, events: KVEvents, medium: str) -> None:
+        self.events = events
+        self.medium = medium
+
+    def stored(
+        self, hashes: Sequence[bytes], parent: bytes | None, tokens: Sequence[int], salt: str | None
+    ) -> None:
+        self.events.stored(hashes, parent, tokens, self.medium, salt)
+
+    def removed(self, hashes: Sequence[bytes]) -> None:
+        self.events.removed(hashes, self.medium)
+
 
 class PrefixReuse:
     """Finds, shares, loads, publishes and evicts prefix blocks for the scheduler."""
@@ -117,6 +141,35 @@ class PrefixReuse:
         self._running: set[int] = set()  # holders in `index` that belong to running requests
         self._published: set[bytes] = set()
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
+        self.events: KVEvents = NoEvents()
+        if isinstance(store, MemoryStore):
+            store.on_drop = self._store_dropped
+
+    def watch(self, events: KVEvents) -> None:
+        """Report every block entering or leaving the pool or the store to ``events``."""
+        self.events = events
+        self.index.listener = _MediumEvents(events, POOL)
+
+    def reset(self) -> bool:
+        """Empty the prefix cache: idle holders' cells, the index and an in-process memory
+        store (vLLM's ``reset_prefix_cache``); False, changing nothing, while requests run."""
+        if self._running or self.pending.holders:
+            return False
+        for holder in list(self.index.holders):
+            self.cache.remove(holder, 0)
+        self.index.clear()
+        if isinstance(self.store, MemoryStore):
+            self.store.clear()
+            self._published.clear()
+        self.events.cleared()
+        return True
+
+    def _store_dropped(self, key: str) -> None:
+        """The memory store dropped a block for room: publish it again when next evicted."""
+        h = self.identity.hash_of(key)
+        if h is not None and self.store is not None:
+            self._published.discard(h)
+            self.events.removed([h], self.store.medium)
 
     # ---- a request starts ------------------------------------------------------------
     def attach(self, r: Request) -> None:
@@ -300,6 +353,11 @@ class PrefixReuse:
                 return
             self._published.add(hashes[i])
             self.stats.store_published += 1
+            content = self.index.content.get(hashes[i])
+            if content is not None:
+                parent = hashes[i - 1] if i else None
+                medium = getattr(self.store, "medium", self.store.name.upper())
+                self.events.stored([hashes[i]], parent, content[0], medium, content[1])
 
     def adopt(self, seq: int, tokens: Sequence[int]) -> int:
         """``seq`` (cells restored from elsewhere: a session) becomes an idle holder of

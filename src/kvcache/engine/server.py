@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import queue
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvcache import __version__
 from kvcache.engine import metrics
 from kvcache.engine.loop import EngineLoop
 from kvcache.engine.params import RequestParams
@@ -60,6 +61,7 @@ from kvcache.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+ENGINE_CALL_S = 30.0  # how long a call run on the engine thread (a reset) may take
 LIVENESS_S = 1.0  # how often a waiting handler checks that the engine thread still runs
 SAMPLE_S = 1.0  # how often the tokens/s meter samples the engine counters
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -72,6 +74,7 @@ class ServerState:
     loop: EngineLoop
     tokenizer: Tokenizer
     model_name: str
+    info: Mapping[str, Any] = field(default_factory=dict)  # extra /server_info fields
     created: int = field(default_factory=now)
     rates: metrics.RateMeter = field(default_factory=metrics.RateMeter)
     prometheus: metrics.ServerMetrics = field(init=False)
@@ -360,6 +363,106 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_crash)
 
 
+# ---- what routers probe ------------------------------------------------------------------
+def server_info(state: ServerState) -> dict[str, Any]:
+    """``/server_info`` (SGLang's, which sglang-router and vllm-router read at registration),
+    with vLLM's cache and KV-events settings under ``vllm_config``."""
+    engine = state.loop.engine
+    c = engine.config
+    events = dict(state.info.get("kv_events_config", {"enable_kv_cache_events": False}))
+    return {
+        "model_path": state.info.get("model_path", state.model_name),
+        "tokenizer_path": state.info.get("tokenizer_path"),
+        "weights_path": state.info.get("weights_path"),
+        "served_model_name": state.model_name,
+        "is_generation": True,
+        "tp_size": 1,
+        "dp_size": 1,
+        "load_balance_method": "round_robin",
+        "disaggregation_mode": "null",
+        "max_running_requests": c.max_sequences,
+        "max_batch_size": c.max_sequences,
+        "max_num_reqs": c.max_sequences,
+        "max_prefill_tokens": c.max_batch,
+        "max_total_num_tokens": engine.cache.num_cells,
+        "context_length": c.capacity,
+        "page_size": c.block_size,
+        "enable_prefix_caching": c.prefix_cache,
+        "kv_codec": c.codec,
+        "version": __version__,
+        "vllm_config": {
+            "cache_config": {"block_size": c.block_size, "enable_prefix_caching": c.prefix_cache},
+            "kv_events_config": events,
+        },
+        "kv_events_config": events,
+    }
+
+
+def model_info(state: ServerState) -> dict[str, Any]:
+    """``/model_info`` (SGLang's): what the served model is."""
+    config = state.loop.engine.model.config
+    return {
+        "model_path": state.info.get("model_path", state.model_name),
+        "tokenizer_path": state.info.get("tokenizer_path"),
+        "served_model_name": state.model_name,
+        "is_generation": True,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "max_context_length": state.capacity,
+        "vocab_size": config.vocab_size,
+        "eos_token_ids": sorted(state.tokenizer.stop_ids),
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "preferred_sampling_params": None,
+    }
+
+
+def load(state: ServerState) -> list[dict[str, Any]]:
+    """``/get_load`` (SGLang's, one entry per data-parallel rank): what this replica runs."""
+    snap = state.loop.snapshot
+    queued, running = int(snap.get("queued", 0)), int(snap.get("running", 0))
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": queued + running,
+            "num_waiting_reqs": queued,
+            "num_tokens": int(snap.get("cells_running", 0)),
+        }
+    ]
+
+
+async def _on_engine(state: ServerState, fn: Callable[[], Any]) -> Any:
+    """``fn``'s result, run on the engine thread; 503 if the engine does not answer."""
+    if not state.loop.alive:
+        raise EngineUnavailableError("the engine is not running")
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(state.loop.call(fn)), ENGINE_CALL_S)
+    except TimeoutError:
+        raise EngineUnavailableError("the engine did not answer in time") from None
+
+
+async def reset_prefix_cache(state: ServerState) -> dict[str, Any]:
+    """Empty the prefix cache (vLLM's ``/reset_prefix_cache``, SGLang's ``/flush_cache``):
+    400, changing nothing, while requests are queued or running."""
+    engine = state.loop.engine
+    if not await _on_engine(state, lambda: not engine.busy and engine.reuse.reset()):
+        raise BadRequestError(
+            "The prefix cache was not reset: requests are running; retry when idle",
+            code="cache_in_use",
+        )
+    return {"success": True, "message": "prefix cache reset"}
+
+
+async def health_generate(state: ServerState) -> dict[str, str]:
+    """One generated token end to end (SGLang's ``/health_generate``)."""
+    ids = state.tokenizer.encode("Hi")
+    sub = Submission(state, ids, RequestParams(max_tokens=1), "prompt")
+    _, last = await _collect(sub)
+    _finish_reason(last)  # raises on an engine failure
+    return {"status": "ok", "model": state.model_name}
+
+
 # ---- the app -------------------------------------------------------------------------
 def _lifespan(
     state: ServerState,
@@ -382,9 +485,16 @@ def _lifespan(
     return lifespan
 
 
-def create_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str) -> FastAPI:
-    """The HTTP app over a running engine loop (the caller starts and closes the loop)."""
-    state = ServerState(loop, tokenizer, model_name)
+def create_app(
+    loop: EngineLoop,
+    tokenizer: Tokenizer,
+    *,
+    model_name: str,
+    info: Mapping[str, Any] | None = None,
+) -> FastAPI:
+    """The HTTP app over a running engine loop (the caller starts and closes the loop);
+    ``info`` adds ``model_path`` and ``kv_events_config`` to ``/server_info``."""
+    state = ServerState(loop, tokenizer, model_name, dict(info or {}))
     app = FastAPI(title="kvcache", lifespan=_lifespan(state))
     app.state.kvcache = state
     _install_error_handlers(app)
@@ -402,6 +512,23 @@ def create_app(loop: EngineLoop, tokenizer: Tokenizer, *, model_name: str) -> Fa
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(state.prometheus.render(), media_type=metrics.CONTENT_TYPE)
+
+    # what sglang-router and vllm-router probe (SGLang's names, then their older get_ ones)
+    app.get("/server_info")(lambda: server_info(state))
+    app.get("/get_server_info")(lambda: server_info(state))
+    app.get("/model_info")(lambda: model_info(state))
+    app.get("/get_model_info")(lambda: model_info(state))
+    app.get("/get_load")(lambda: load(state))
+    app.get("/version")(lambda: {"version": __version__})
+
+    @app.post("/reset_prefix_cache")
+    @app.post("/flush_cache")
+    async def reset() -> dict[str, Any]:
+        return await reset_prefix_cache(state)
+
+    @app.get("/health_generate")
+    async def health_gen() -> dict[str, str]:
+        return await health_generate(state)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -57,6 +58,16 @@ class BlockIdentity:
 
     def key(self, block_hash: bytes) -> str:
         return f"kvcache:{FORMAT}:{self.model}:{self.codec}:{self.block_size}:{block_hash.hex()}"
+
+    def hash_of(self, key: str) -> bytes | None:
+        """The block hash a key of this identity names (None: another identity's key)."""
+        prefix = self.key(b"")
+        if not key.startswith(prefix):
+            return None
+        try:
+            return bytes.fromhex(key[len(prefix) :])
+        except ValueError:
+            return None
 
 
 def encode_block(
@@ -135,6 +146,7 @@ class BlockStore(Protocol):
     raise StoreUnavailableError when the store itself cannot be reached."""
 
     name: str
+    medium: str  # the tier's name in KV events (kvcache.engine.events)
 
     def get(self, key: str) -> bytes | None: ...
     def put(self, key: str, data: bytes) -> None: ...
@@ -144,11 +156,13 @@ class MemoryStore:
     """In-process store, least recently used entries dropped past ``max_bytes``."""
 
     name = "memory"
+    medium = "CPU"
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
         self.data: OrderedDict[str, bytes] = OrderedDict()
         self.bytes = 0
+        self.on_drop: Callable[[str], None] | None = None  # told each key dropped for room
 
     def get(self, key: str) -> bytes | None:
         value = self.data.get(key)
@@ -161,14 +175,22 @@ class MemoryStore:
         self.bytes += len(data) - (len(old) if old else 0)
         self.data[key] = data
         while self.bytes > self.max_bytes and self.data:
-            _, dropped = self.data.popitem(last=False)
+            gone, dropped = self.data.popitem(last=False)
             self.bytes -= len(dropped)
+            if self.on_drop is not None:
+                self.on_drop(gone)
+
+    def clear(self) -> None:
+        """Forget every entry (a prefix-cache reset; ``on_drop`` is not told)."""
+        self.data.clear()
+        self.bytes = 0
 
 
 class DiskStore:
     """One file per block under ``root`` (atomic writes: readers never see half a file)."""
 
     name = "disk"
+    medium = "DISK"
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -199,6 +221,7 @@ class RedisStore:
     """Blocks in a Redis server (``redis://host:port/db``), shared by server replicas."""
 
     name = "redis"
+    medium = "REDIS"
 
     def __init__(self, url: str, ttl_seconds: int | None = None) -> None:
         import redis
