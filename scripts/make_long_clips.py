@@ -4,11 +4,13 @@ Each clip is a run of distinct English sentences, each spoken by one of several 
 own speed (espeak-ng en-us / en-gb / female variants, flite slt / rms / awb), separated by
 pauses. The layout is fixed, not random: every 30 s window boundary falls inside a sentence
 (a sentence crosses it), and a few long pauses lie inside windows, away from the boundaries.
+The ``tail_*`` clips are laid out by hand: their last sentence follows a pause in the last
+2-8 s of the file.
 Output per clip: ``NAME.wav`` (16 kHz mono PCM16) and ``NAME.json`` (the sentences spoken,
 their voice and start/end seconds). Both synthesizers are deterministic, so the same command
 writes the same bytes (the tests check it).
 
-    python scripts/make_long_clips.py OUT_DIR [--clips long45 long90 long180]
+    python scripts/make_long_clips.py OUT_DIR [--clips long45 long90 long180 tail_slow ...]
 
 Needs Debian's espeak-ng and flite (scripts/setup.sh installs them) and kvcache (resampling).
 """
@@ -123,7 +125,28 @@ class ClipSpec:
     pause: float | None = None
 
 
-CLIPS = {
+Voice = tuple[str, str, float]
+SLT, AWB, RMS13 = ("flite", "slt", 1.0), ("flite", "awb", 0.95), ("flite", "rms", 1.3)
+SLOW_F3 = ("espeak-ng", "en-us+f3", 110.0)  # a slow female espeak-ng voice
+FAST_GB, FAST_RP = ("espeak-ng", "en-gb", 220.0), ("espeak-ng", "en-gb-x-rp", 250.0)
+US150, US190 = ("espeak-ng", "en-us", 150.0), ("espeak-ng", "en-us", 190.0)
+
+
+@dataclass(frozen=True)
+class PartsSpec:
+    """A clip laid out by hand: (sentence index, voice, pause after) parts from 0.3 s, then
+    ``tail`` seconds of silence (the tail clips end a file with speech after a pause)."""
+
+    name: str
+    parts: tuple[tuple[int, Voice, float], ...]
+    tail: float
+
+
+# about 34 s of speech: the tail clips built on it end in a short second window
+LEAD_34S = ((0, US150, 0.6), (1, SLT, 0.9), (2, FAST_GB, 0.5), (5, AWB, 0.8), (6, US150, 0.7),
+            (8, RMS13, 1.2), (9, SLT, 0.6), (10, US190, 1.0), (13, AWB, 0.9))  # fmt: skip
+
+CLIPS: dict[str, ClipSpec | PartsSpec] = {
     c.name: c
     for c in (
         ClipSpec("long45", 45.0, 0),
@@ -132,6 +155,14 @@ CLIPS = {
         # one flite voice, even pauses: the clip whose 6th sentence (just after the first
         # window's last segment) the loop without previous-text prompts dropped
         ClipSpec("slt40", 40.0, 0, ("flite", "slt", 1.0), 0.5),
+        # the last sentence in the last 2-8 s, after a pause that ends a segment, in a window
+        # shorter than 30 s (the window whose padding once made tiny.en stop after its first
+        # segment and lose the rest)
+        PartsSpec("tail_slow", ((4, SLT, 1.0), (35, SLOW_F3, 0.0)), 0.3),
+        PartsSpec("tail_fast", ((4, SLT, 1.0), (22, FAST_GB, 0.0)), 0.5),
+        PartsSpec("tail_late", ((3, US150, 0.8), (35, FAST_RP, 0.0)), 0.8),
+        PartsSpec("tail_long", (*LEAD_34S, (35, SLOW_F3, 0.0)), 0.3),
+        PartsSpec("tail_long_silence", (*LEAD_34S, (35, SLOW_F3, 0.0)), 2.5),
     )
 }
 
@@ -188,9 +219,25 @@ def layout(spec: ClipSpec, duration: Callable[[int], float]) -> list[tuple[int, 
     return out
 
 
-def make_clip(spec: ClipSpec, out_dir: Path) -> list[Spoken]:
+def parts_layout(spec: PartsSpec, duration: Callable[[int], float]) -> list[tuple[int, float]]:
+    """(sentence index, start second) of each part of a hand-made clip."""
+    out, t = [], 0.3
+    for k, _, pause in spec.parts:
+        out.append((k, t))
+        t += duration(k) + pause
+    return out
+
+
+def make_clip(spec: ClipSpec | PartsSpec, out_dir: Path) -> list[Spoken]:
     """Write ``spec.name``.wav and .json into ``out_dir``; the sentences as spoken."""
-    voices = [spec.voice or VOICES[k % len(VOICES)] for k in range(len(SENTENCES))]
+    if isinstance(spec, PartsSpec):
+        voices: list[Voice] = [VOICES[0]] * len(SENTENCES)
+        for k, voice, _ in spec.parts:
+            voices[k] = voice
+        tail = spec.tail
+    else:
+        voices = [spec.voice or VOICES[k % len(VOICES)] for k in range(len(SENTENCES))]
+        tail = TAIL_S
     audio: dict[int, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -199,9 +246,11 @@ def make_clip(spec: ClipSpec, out_dir: Path) -> list[Spoken]:
                 audio[k] = synthesize(SENTENCES[k], voices[k], Path(tmp))
             return len(audio[k]) / RATE
 
-        placed = layout(spec, duration)
+        placed = (
+            parts_layout(spec, duration) if isinstance(spec, PartsSpec) else layout(spec, duration)
+        )
     k_last, t_last = placed[-1]
-    total = int(round((t_last + duration(k_last) + TAIL_S) * RATE))
+    total = int(round((t_last + duration(k_last) + tail) * RATE))
     clip = np.zeros(total, dtype=np.float32)
     spoken = []
     for k, start in placed:

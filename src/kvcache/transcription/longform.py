@@ -114,6 +114,16 @@ def split_segments(
     return [_Cut(start * SECONDS_PER_TIMESTAMP, end, tokens)], window_frames
 
 
+def window_features(mel: torch.Tensor, start: int, frames: int) -> torch.Tensor:
+    """The window of ``frames`` frames of ``mel`` from ``start``, zero-padded to 3000 frames.
+
+    Zeros, not the log-mel of silence after the audio: OpenAI and faster-whisper pad a short
+    last window so, and tiny.en, shown silence there, ends the window after its first segment
+    (a single timestamp ending: seek skips the window and its last sentences are lost)."""
+    out = mel[:, start : start + frames]  # [n_mels, frames]
+    return torch.nn.functional.pad(out, (0, CHUNK_FRAMES - out.shape[1]))  # [n_mels, 3000]
+
+
 class LongForm:
     """The windows of one file's features ``mel`` [n_mels, content + 3000 frames]."""
 
@@ -162,7 +172,7 @@ class LongForm:
         temperature = self.options.temperatures[len(self._tried)]
         feats = None
         if not self._encoded:
-            feats = self.mel[:, self.seek : self.seek + CHUNK_FRAMES]  # [n_mels, 3000]
+            feats = window_features(self.mel, self.seek, self.window_frames)  # [n_mels, 3000]
             self._encoded = True
         return Request(prompt, temperature, feats, max_new)
 

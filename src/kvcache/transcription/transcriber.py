@@ -90,8 +90,8 @@ class Transcriber:
             cache.close()
 
     def features(self, audio: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Log-mel features [n_mels, frames + 3000] of 16 kHz audio (30 s of zeros appended,
-        so that every window, the last included, is a slice of one spectrogram)."""
+        """Log-mel features [n_mels, frames + 3000] of 16 kHz audio (30 s of zeros appended
+        before the STFT, as OpenAI's; ``LongForm`` cuts the windows and zero-pads a short one)."""
         return log_mel_spectrogram(
             torch.as_tensor(audio, dtype=torch.float32), padding=CHUNK_SAMPLES
         )
