@@ -10,7 +10,7 @@ measured side by side in one run:
 2. A second replica through Redis vs cold prefill: replica A computes a ~1k-token prompt
    cold, replica B (fresh, same Redis) answers the same prompt loading A's blocks.
 3. 1 vs 8 concurrent clients: aggregate generated tokens/s on short distinct prompts.
-4. Oversubscription (issue 12): 16 concurrent three-turn sessions (distinct ~1.5k-token
+4. Oversubscription: 16 concurrent three-turn sessions (distinct ~1.5k-token
    system prompts; each turn sends the conversation so far: the earlier turns' questions and
    answers plus a new question) on servers whose pool holds 8 requests' context
    (``--max-sequences 16 --pool-sequences 8``, 2k each), so sessions outgrow the pool and
@@ -43,9 +43,9 @@ replica A/B, 1/8 clients). Any other answer counts as failed or wrong.
     .venv/bin/python benchmarks/serve_load.py --quick    # fewer requests and tokens
 
 Writes benchmarks/results/serve_load.json and, with matplotlib, serve_load.png.
-Goals (issue 7): TTFT p50 >= 10x lower with reuse; replica via Redis >= 5x lower TTFT than
+Goals: TTFT p50 >= 10x lower with reuse; replica via Redis >= 5x lower TTFT than
 cold prefill; 8 clients >= 4x the generated tokens/s of 1; zero failed or wrong responses.
-Issue 12: spill >= 1.5x recompute's generated tokens/s and >= 5x lower resume latency
+Oversubscribed: spill >= 1.5x recompute's generated tokens/s and >= 5x lower resume latency
 (p50), with zero failed or wrong responses (every run must give every turn the same text);
 the decode rate of never-preempted requests within 5 % of the unconstrained run's.
 ``--questions`` runs a subset (e.g. ``--questions oversubscribed``).
@@ -73,10 +73,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from harness import plot, table, write_json
 from kvcache.text.tokenizer import Tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, table, write_json  # noqa: E402
 
 MODEL = "smollm2"
 HOST = "127.0.0.1"  # the only address this script ever talks to
@@ -628,16 +626,9 @@ def goals(results: dict[str, list[dict[str, Any]]], checker: Checker) -> dict[st
     return out
 
 
-def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
-    panels = [
+def panels_of(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, str]]:
+    """(question, figure, title) of each plot panel whose question ran."""
+    return [
         (q, key, title)
         for q, key, title in (
             ("reuse", "ttft_p50_s", "TTFT p50 (s), shared 1k prefix"),
@@ -648,8 +639,12 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
         )
         if q in results
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4), squeeze=False)
-    for ax, (q, key, title) in zip(axes[0], panels, strict=True):
+
+
+def draw(fig: Any, axes: Any, results: dict[str, list[dict[str, Any]]]) -> None:
+    """A bar chart per panel: each run's figure."""
+    panels = panels_of(results)
+    for ax, (q, key, title) in zip(axes if len(panels) > 1 else [axes], panels, strict=True):
         names = [r["run"] for r in results[q]]
         values = [r[key] for r in results[q]]
         ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
@@ -658,12 +653,9 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
         for i, v in enumerate(values):
             ax.text(i, v, f"{v:.3g}", ha="center", va="bottom")
     fig.suptitle("kvcache serve on loopback (SmolLM2-135M, CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -695,7 +687,7 @@ def main() -> int:
         metavar="NAME",
         help="results file stem (serve_load; serve_load_partial with --questions)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     quick = args.quick
     plan = Plan(
         requests=args.requests or (8 if quick else 24),
@@ -749,7 +741,7 @@ def main() -> int:
     name = args.out or (
         "serve_load" if set(args.questions) == set(QUESTIONS) else "serve_load_partial"
     )
-    path = write_json(
+    write_json(
         name,
         {
             "plan": plan.__dict__,
@@ -761,9 +753,9 @@ def main() -> int:
             "problems": checker.problems,
         },
     )
-    print(f"wrote {path}")
     if not args.no_plot:
-        plot(results, RESULTS / f"{name}.png")
+        n = len(panels_of(results))
+        plot(name, lambda fig, axes: draw(fig, axes, results), figsize=(4.4 * n, 4), ncols=n)
     return 0 if checker.failed + checker.wrong == 0 else 1
 
 
