@@ -134,8 +134,8 @@ void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int 
 
 // Values of head h from 4-bit affine codes (x = code * scale + low per group of channels):
 // per group, the weights times the cells' scales through the tile math (the packed codes read
-// as they are, NibbleRows: a staged copy a code a byte measured 2-5 % slower), plus the weighted
-// sum of the cells' minimums.
+// as they are, NibbleRows: no staged copy; docs/design/kernels.md), plus the weighted sum of
+// the cells' minimums.
 void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, int b,
                     int64_t ne, int64_t G, int64_t Dv, Scratch& w, LineStream* ls) {
   affine4_rows(vr, h, cells, a, b, w.vnib.data(), w.vscale.data(), w.vlow.data());
@@ -161,7 +161,7 @@ void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, in
 // One segment, every KV head: per tile of cells, each head's keys (decoded), scores, softmax
 // update, values. Heads inside the tile loop read each cell's row [H, D] in one stream.
 // flatten: every call inside is inlined (with the 4-bit branch GCC stopped inlining the int8
-// tile math here, measured ~20 % slower int8 calls)
+// tile math here, and the int8 calls got slower: docs/design/kernels.md)
 __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const float* q,
                                           int64_t Hq, int64_t H, const Reader& kr,
                                           const Reader& vr, const Rope& rope, float scale,
@@ -587,7 +587,7 @@ std::vector<at::Tensor> partials(const at::Tensor& q, const at::Tensor& cells,
 // out [T, Hq, D]: each row's entries merged; a row that sees nothing is zeros. Where the value
 // codec sums in a rotated domain (accr given), that part is merged too and rotated back with
 // `rotation` [Hkv, D, D] (x = y @ rotation[h]^T, h = hq / (Hq / Hkv)) into out: one matrix-vector
-// product per output row, where torch's einsum and add took ~30-60 us a layer.
+// product per output row, in place of torch's einsum and add (docs/design/kernels.md).
 at::Tensor merge(const at::Tensor& pm, const at::Tensor& pl, const at::Tensor& pacc,
                  const at::Tensor& paccr, const at::Tensor& row_ptr,
                  const at::Tensor& row_entries, const at::Tensor& rotation) {

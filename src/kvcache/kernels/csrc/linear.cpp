@@ -38,7 +38,8 @@ void glu_row(const float* x, int64_t K, float* y) {
 // y [M, N] = f(x) [M, K] @ w [N, K]^T (+ bias [N]) (+ residual [M, N]), x and w float32 and
 // contiguous. f: the rows as they are; with `norm` [K] their RMSNorm (eps); with glu, x is
 // [M, 2K] and f(x) = silu(x[:, :K]) * x[:, K:]. One call where a decode step took three to
-// five small ops (each ~10 us with the caches cold between two weight passes).
+// five small ops (each costly with the caches cold between two weight passes:
+// docs/design/kernels.md).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                        const at::Tensor& residual, const at::Tensor& norm, double eps, bool glu) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) * (glu ? 2 : 1),
@@ -105,8 +106,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }
 
 // RMSNorm of rows: y [M, K] = x / sqrt(mean(x^2) + eps) * w for x [M, K], w [K] (float32,
-// contiguous). torch's rms_norm is a chain of small ops: ~100 us a call inside a SmolLM2 decode
-// step on a Zen 3 VM (61 calls a step, ~5 % of it), where one pass over a row takes a few.
+// contiguous), in one pass over a row where torch's rms_norm is a chain of small ops (why and
+// what it bought: docs/design/kernels.md).
 // A decode step's rows run on the calling thread (a parallel region costs more than the work).
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0),

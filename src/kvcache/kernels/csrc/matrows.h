@@ -28,11 +28,9 @@ inline void block(const float* x, int64_t K, const float* w, float* y, int64_t l
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   // R x rows in registers, then one weight vector at a time meets them: R + 1 registers beside
   // the accumulators (16 for 3 x 4), R + C loads per R x C FMAs. With PIN, each loaded vector
-  // is pinned to a register (simd.h's pin): without it GCC folds the loads into the FMAs' memory
-  // operands and loads each weight vector R times (15 loads per 12 FMAs instead of 7; the 3 x 4
-  // block ran at 65 GFLOP/s of one Zen 3 core's ~100 in L1, 89 pinned). Where the weights come
-  // from memory (a block's first row block), the folded loads measured faster (3 rows: the
-  // pinned ones took 1.085x the time). The same FMAs either way: the same bits.
+  // is pinned to a register (simd.h's pin), else GCC folds it into R FMAs' memory operands;
+  // a block's first row block, reading from memory, keeps the folded loads (faster there).
+  // The same FMAs either way: the same bits. Why and what it bought: docs/design/kernels.md.
   for (int64_t k = 0; k < K; k += 8) {
     __m256 xv[R];
     KVK_UNROLL

@@ -423,8 +423,8 @@ void decode_affine_channels(const Tile& t, int a, int b) {
 #if KVK_AVX2
     if (BITS == 4 && r.pre_rope && D % 16 == 0) {
       // 4-bit keys before RoPE in one pass: the same operations as the three passes below
-      // (codes, range, rotation), the row written once (kivi4 attention at 16 x 1k: 0.83-0.86x
-      // the time of the three passes, side by side, bit-identical)
+      // (codes, range, rotation), the row written once, bit-identical and faster
+      // (docs/design/kernels.md)
       const int64_t half = D / 2;
       const auto [cs, sn] = rope_rows(t.rope, t.pos[j], D);
       for (int64_t i = 0; i < half; i += 8) {
@@ -1182,8 +1182,7 @@ struct FieldPick {
 // (FieldPick); other cells a gather of the 32 bits holding the field and its neighbour in the
 // same record (the field before it for a record's last field), so that no read leaves the
 // array. With AVX2 only, 8 cells a step: a run of 8 cells loads its fields one by one into a
-// vector (Zen 3's gather of 8 took ~0.9 ns a field, these loads ~0.35; the gathers were 16 % of
-// a 16 x 1k int4 call, and the int4 and int8 calls got ~5 % faster), other cells that gather;
+// vector (faster than AVX2's gather there: docs/design/kernels.md), other cells that gather;
 // a scalar tail.
 void half_fields(const uint16_t* fields, int64_t rows, int64_t stride, int64_t inner,
                  const int32_t* cells, int a, int b, float* out) {

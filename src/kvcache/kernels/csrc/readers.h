@@ -1,6 +1,6 @@
 // Codec readers: decode a block of cells' rows of one KV head into float rows, straight from
-// the stored codes (the layouts are documented in src/kvcache/kernels/layout.py, which builds
-// the tensor list a Reader is made from).
+// the stored codes (the layouts: kvcache.codecs.base.Layout; kvcache/kernels/attend.py's
+// layout_args builds the tensor list a Reader is made from).
 //
 // decode() fills rows[j] (a pointer to D floats) for j in [a, b) of a block of cells:
 //   * fp32 storage without RoPE to apply hands back pointers into the storage itself;
@@ -201,12 +201,10 @@ void add_centre_scores(const Reader& r, int64_t h, const int32_t* cells, int a, 
 
 // Load the stored rows [H, *] (fp16 window rows or code rows) of cells[0:n] (the tile about
 // to be computed) in one tight pass, every line once, and return a value that depends on them
-// (so the loads are kept). A tile's math interleaves few loads with much arithmetic, which
-// keeps few cache misses in flight; this pass keeps many (measured: 11 vs 7 GB/s a thread over a tile loop that fetches as it
-// computes). The math then reads the tile from cache. Used for a work item's first tile
-// only: the tiles after it are fetched during the math of the tile before (LineStream, its
-// prefetches spread over the inner loops: fp32 at 8k, 2 threads, 21 vs 17 GB/s; a burst of
-// prefetches one tile ahead waited on the same miss buffers as this pass).
+// (so the loads are kept): a tile's math keeps few cache misses in flight, this pass many.
+// The math then reads the tile from cache. Used for a work item's first tile only: the tiles
+// after it are fetched during the math of the tile before (LineStream, its prefetches spread
+// over the inner loops). Why and what it bought: docs/design/kernels.md.
 float touch(const Reader& r, const int32_t* cells, int n);
 
 // The stored rows of cells[0:n] that touch() would read (fp16 window rows or code rows), added

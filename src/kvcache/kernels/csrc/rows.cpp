@@ -1,10 +1,9 @@
 // Row operations of a decode step that torch runs as chains of small ops: RoPE of a few rows,
 // and K/V rows copied into their cells (converted to the buffer's dtype).
 //
-// Between two attention calls a decode step's Python runs with cold caches: on a Zen 3 VM each
-// small torch op (a cat, a mul, a dtype conversion, an index_copy_) then costs 8-15 us, and a
-// 4-bit cache's `put` took 80-160 us a layer for a single token (30 layers a step). Each
-// function here is one call that does what those chains did, with the same rounding.
+// Between two attention calls a decode step's Python runs with cold caches, where each small
+// torch op costs microseconds (docs/design/kernels.md). Each function here is one call that
+// does what those chains did, with the same rounding.
 #include <torch/extension.h>
 
 #include <cmath>

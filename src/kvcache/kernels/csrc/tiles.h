@@ -319,7 +319,7 @@ inline void pv_tile(const float* p, const typename R::T* const* v, int ja, int j
 #if KVK_AVX2
   // 12 (8) accumulators: 16 registers with the rest. A row kind that keeps constants in
   // registers (NibbleRows) spills two of 12 to the stack where only 16 vector registers exist
-  // (AVX2 without AVX-512's 32): the store-reload chain cost ~15 % of a call; 6 there.
+  // (AVX2 without AVX-512's 32): 6 there (docs/design/kernels.md).
   constexpr int NV = NR <= 3 && (KVK_AVX512 || R::consts == 0) ? 4 : 2;
   int c = c0;
   for (; c + 8 * NV <= c1; c += 8 * NV) pv_cols<NR, NV, R>(p, v, ja, jb, D, c, acc, ls);
@@ -473,9 +473,8 @@ inline void qk_kivi_tile(const float* q, int rows, const KiviKeys& t, int ja, in
 
 // sc[r * BLK + j] = <q[r], rotated key j> for r < rows, j in [ja, jb) (D a multiple of 16;
 // half_rows: the tile's keys are fp16 rows, t.half, else KIVI codes).
-// 8 channels a step even where the CPU has AVX-512: the 16-wide loop (Vec16) took 1.07-1.14x
-// the time of this one at 16 x 1k and 1.19x at 1 x 7.5k (cache.attention, kivi4, builds taking
-// turns; one thread here issues 512-bit FMAs at ~0.55x the rate of 256-bit ones)
+// 8 channels a step even where the CPU has AVX-512: the 16-wide loop (Vec16) was slower where
+// a thread issues 512-bit FMAs at about half the rate of 256-bit ones (docs/design/kernels.md)
 inline void qk_kivi_rows(const float* q, int rows, const KiviKeys& t, int ja, int jb, int D,
                          float* sc, LineStream* ls, bool half_rows = false) {
   qk_kivi_tile<Vec8>(q, rows, t, ja, jb, D, sc, ls, half_rows);
@@ -511,8 +510,7 @@ inline float quantize_query16(float* q, int D, int16_t* q16, bool nibble_order =
   };
   int c = 0;
 #if KVK_AVX2
-  // the same divisions and round-half-even as the loop below, 8 channels an instruction (the
-  // scalar divisions were ~5 % of an int8 call over 1k cells)
+  // the same divisions and round-half-even as the loop below, 8 channels an instruction
   const __m256 sv = _mm256_set1_ps(qscale);
   for (; c + 8 <= D; c += 8) {
     const __m256 k = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(q + c), sv),
