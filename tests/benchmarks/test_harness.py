@@ -25,11 +25,20 @@ REDONE = {
 }
 
 
+# being ported by their owners: strict, so the port makes this fail until the name goes
+NOT_YET = {"whisper.py", "hf_generate.py"}
+
+
 def scripts() -> list[Path]:
     """Every runnable file of benchmarks/ (one with a ``__main__`` block)."""
     return sorted(
         p for p in BENCHMARKS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
     )
+
+
+def marked(paths: list[Path]) -> list[object]:
+    xfail = pytest.mark.xfail(strict=True, reason="not on the harness yet")
+    return [pytest.param(p, marks=xfail) if p.name in NOT_YET else p for p in paths]
 
 
 def test_rounds_alternate_contenders_the_order_rotating_and_warm_rounds_dropped() -> None:
@@ -137,7 +146,7 @@ def test_the_docstring_example_runs(tmp_path: Path, monkeypatch, capsys) -> None
     assert "vs_mean" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("script", scripts(), ids=lambda p: p.name)
+@pytest.mark.parametrize("script", marked(scripts()), ids=lambda p: p.name)
 def test_every_script_runs_through_the_harness(script: Path) -> None:
     """A script imports the harness and redoes none of it (a new script that writes its own
     JSON, plot or load record, or edits sys.path, fails here)."""
