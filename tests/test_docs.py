@@ -11,13 +11,16 @@ line before a block marks it (pytest-codeblocks' syntax, read here by
     <!--pytest.mark.skip-->    compiled only (every block is compiled first, marked or not)
     <!--pytest-codeblocks:cont-->  the block continues the one before it
 
-Shell blocks are not run (their commands are the CLI's, tested in tests/models/).
+Shell blocks are not run (the CLI is tested in tests/models/ and tests/engine/); each
+``kvcache ...`` line of them is parsed by the CLI's own parser, so a flag the docs show and the
+CLI lacks fails here.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -55,6 +58,23 @@ def python_blocks(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
 BLOCKS = python_blocks()
 PLAIN = [b for b in BLOCKS if not b[2]]
 SERVED = [b for b in BLOCKS if b[2] == ["pytest.mark.server"]]
+
+
+def cli_lines(root: Path = ROOT) -> list[tuple[str, list[str]]]:
+    """(id "file:line", argv after ``kvcache``) of every ``kvcache`` command in a shell block."""
+    lines = []
+    for path in doc_files(root):
+        for block in extract_from_file(path):
+            if (block.syntax or "").split(" ")[0] not in {"bash", "sh", "console"}:
+                continue
+            for i, line in enumerate(block.code.replace("\\\n", " ").splitlines()):
+                words = shlex.split(line, comments=True)
+                if words and words[0].split("/")[-1] == "kvcache":
+                    lines.append((f"{path.relative_to(root)}:{block.lineno + 1 + i}", words[1:]))
+    return lines
+
+
+CLI = cli_lines()
 
 
 def run_block(ident: str, code: str) -> None:
@@ -131,6 +151,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.mark.parametrize(("ident", "code"), [b[:2] for b in SERVED], ids=[b[0] for b in SERVED])
 def test_server_block_runs_against_a_real_server(server: str, ident: str, code: str) -> None:
     run_block(ident, code.replace(SERVER_URL, server))
+
+
+@pytest.mark.parametrize(("ident", "argv"), CLI, ids=[c[0] for c in CLI])
+def test_every_documented_command_line_parses(ident: str, argv: list[str]) -> None:
+    from kvcache.cli import build_parser
+
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"{ident}: kvcache {shlex.join(argv)} does not parse (exit {e.code})")
+
+
+def test_the_readme_shows_the_three_commands() -> None:
+    commands = {argv[0] for ident, argv in CLI if ident.startswith("README.md") and argv}
+    assert {"generate", "transcribe", "serve"} <= commands, commands
 
 
 def test_the_readmes_links_name_files_that_exist() -> None:
