@@ -4,7 +4,9 @@ speech); and the prompt rules (previous text, initial prompt, reset after a hot 
 
 from __future__ import annotations
 
+import json
 import subprocess
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from kvcache.transcription import TEMPERATURES, TranscribeOptions, Transcript, t
 from kvcache.transcription.longform import LongForm, compression_ratio
 from kvcache.transcription.search import Decoded
 from kvcache.transcription.transcriber import bundled
+from kvcache.weights.ctranslate2 import bundled_whisper_dir
 
 RATE = 16000
 
@@ -103,53 +106,115 @@ def test_noise_between_speech_keeps_the_speech() -> None:
 
 
 # ---- prompts -----------------------------------------------------------------------------
+@cache
+def _vocab() -> dict[str, int]:
+    """The special tokens' ids as the model's tokenizer.json lists them (read here, apart
+    from the code under test)."""
+    data = json.loads((bundled_whisper_dir() / "tokenizer.json").read_text())
+    return {t["content"]: int(t["id"]) for t in data["added_tokens"]}
+
+
+@cache
+def _bpe(text: str) -> tuple[int, ...]:
+    """Text token ids of ``text`` from tokenizer.json's BPE, loaded here."""
+    from tokenizers import Tokenizer
+
+    bpe = Tokenizer.from_file(str(bundled_whisper_dir() / "tokenizer.json"))
+    return tuple(bpe.encode(text, add_special_tokens=False).ids)
+
+
+SOT_PREV, SOT = "<|startofprev|>", "<|startoftranscript|>"
+
+
+def _ts(seconds: float) -> int:
+    """The id of timestamp <|seconds|>: they follow <|notimestamps|>, one per 0.02 s."""
+    return _vocab()["<|notimestamps|>"] + 1 + round(seconds / 0.02)
+
+
 def _job(**options: Any) -> LongForm:
     tr = bundled()
     audio = np.zeros(75 * RATE, dtype=np.float32)  # three windows of features
     return LongForm(tr.features(audio), tr.tokenizer, TranscribeOptions(**options), 448)
 
 
-def _said(job: LongForm, text: str, temperature: float = 0.0) -> Decoded:
+def _said(
+    text: str, temperature: float = 0.0, avg_logprob: float = -0.1, no_speech: float = 0.01
+) -> Decoded:
     """A decode saying ``text`` in one closed segment of 5 s."""
-    tb = job.tok.special.timestamp_begin
-    return Decoded([tb, *job.tok.encode(text), tb + 250, tb + 250], -0.2, 0.01, temperature)
+    tokens = [_ts(0.0), *_bpe(text), _ts(5.0), _ts(5.0)]
+    return Decoded(tokens, avg_logprob * (len(tokens) + 1), no_speech, temperature)
 
 
 def test_previous_text_prompts_the_next_window() -> None:
     job = _job(initial_prompt="Glossary: kvcache.")
-    sp = job.tok.special
+    ids = _vocab()
     first = job.request()
     assert first is not None and first.features is not None
-    assert first.prompt == [sp.sot_prev, *job.tok.encode(" Glossary: kvcache."), sp.sot]
-    assert job.take(_said(job, " Hello there.")) == 500  # seek to the closing pair: 5 s
+    assert first.prompt == [ids[SOT_PREV], *_bpe(" Glossary: kvcache."), ids[SOT]]
+    assert job.take(_said(" Hello there.")) == 500  # seek to the closing pair: 5 s
     nxt = job.request()
     assert nxt is not None and nxt.features is not None and nxt.temperature == 0.0
-    said = list(_said(job, " Hello there.").tokens[:-1])
-    assert nxt.prompt == [sp.sot_prev, *job.tok.encode(" Glossary: kvcache."), *said, sp.sot]
+    said = [_ts(0.0), *_bpe(" Hello there."), _ts(5.0)]  # the segment's tokens
+    assert nxt.prompt == [ids[SOT_PREV], *_bpe(" Glossary: kvcache."), *said, ids[SOT]]
     assert [s.text for s in job.segments] == [" Hello there."]
     plain = _job(condition_on_previous_text=False)
-    plain.take(_said(plain, " Hello there."))
-    assert plain.request().prompt == [sp.sot]  # type: ignore[union-attr]
+    plain.take(_said(" Hello there."))
+    assert plain.request().prompt == [ids[SOT]]  # type: ignore[union-attr]
+    bare = _job(without_timestamps=True)
+    assert bare.request().prompt == [ids[SOT], ids["<|notimestamps|>"]]  # type: ignore[union-attr]
 
 
 def test_prompt_resets_after_a_hot_decode_and_fallback_keeps_the_window() -> None:
     job = _job()
-    sp = job.tok.special
     first = job.request()
     assert first is not None and first.features is not None
-    assert job.take(_said(job, " la" * 60)) == 0  # too repetitive: decode the window again
+    assert job.take(_said(" la" * 60)) == 0  # too repetitive: decode the window again
     again = job.request()
     assert again is not None and again.features is None and again.temperature == 0.2
     asked = []
     for t in TEMPERATURES[1:4]:
-        assert job.take(_said(job, " la" * 60, t)) == 0
+        assert job.take(_said(" la" * 60, t)) == 0
         nxt = job.request()
         assert nxt is not None and nxt.features is None
         asked.append(nxt.temperature)
     assert asked == list(TEMPERATURES[2:5])
-    assert job.take(_said(job, " Fine words.", 0.8)) == 500  # 0.8 passes
+    assert job.take(_said(" Fine words.", 0.8)) == 500  # 0.8 passes
     assert job.segments[-1].text == " Fine words." and job.segments[-1].temperature == 0.8
-    assert job.request().prompt == [sp.sot]  # type: ignore[union-attr]  # 0.8 > 0.5: reset
+    assert job.request().prompt == [_vocab()[SOT]]  # type: ignore[union-attr]  # 0.8 > 0.5: reset
+
+
+# ---- the no-speech rule --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("avg_logprob", "options", "kept"),
+    [
+        (-0.3, {}, True),  # no-speech 0.9 but a confident decode (> -1): speech, kept
+        (-1.5, {}, False),  # no-speech 0.9 and an unlikely decode: silence, skipped
+        (-0.3, {"log_prob_threshold": None}, False),  # no log-prob rule: no-speech alone
+        (-1.5, {"no_speech_threshold": None}, True),  # no no-speech rule: never skipped
+    ],
+)
+def test_no_speech_rule_and_its_log_prob_exemption(
+    avg_logprob: float, options: dict[str, Any], kept: bool
+) -> None:
+    """faster-whisper's rule: skip when no-speech prob > 0.6, unless avg log-prob > -1."""
+    job = _job(temperatures=(0.0,), **options)  # one temperature: no fallback to wait for
+    assert job.request() is not None
+    advanced = job.take(_said(" Hello there.", avg_logprob=avg_logprob, no_speech=0.9))
+    assert [s.text for s in job.segments] == ([" Hello there."] if kept else [])
+    assert advanced == (500 if kept else 3000)  # skipped: the whole window
+    if kept:
+        assert job.segments[0].no_speech_prob == 0.9
+        assert job.segments[0].avg_logprob == pytest.approx(avg_logprob)
+
+
+def test_unlikely_silence_does_not_fall_back() -> None:
+    """No-speech > 0.6 with a low log-prob is silence: skipped at once, no hotter decode."""
+    job = _job()
+    job.request()
+    assert job.take(_said(" Hello there.", avg_logprob=-1.5, no_speech=0.9)) == 3000
+    speech = _job()
+    speech.request()
+    assert speech.take(_said(" Hello there.", avg_logprob=-1.5, no_speech=0.1)) == 0  # fall back
 
 
 def test_bad_options_are_typed_errors() -> None:

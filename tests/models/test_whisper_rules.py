@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.text.whisper_tokenizer import SpecialTokens, WhisperTokenizer
 from kvcache.transcription.longform import split_segments
@@ -95,3 +98,57 @@ def test_split_segments_and_seek() -> None:
     assert split_segments([TB + 3, *hello], TB, 1501)[0][0].end == 15.01  # to the last frame
     assert spans([*hello], frames=1500) == ([(0, 750, " Hello")], 1500)
     assert spans([TB, *hello, TB + 40]) == ([(0, 40, " Hello")], 3000)
+
+
+def test_seek_after_an_unequal_pair_goes_to_its_first_timestamp() -> None:
+    """A window ending ``... <|1.00|><|1.20|> text`` (the next segment begun, not finished):
+    the last whole segment ends at 1.00, so the next window starts there (100 frames), not
+    at 1.20 where the unfinished segment began (its speech would be cut)."""
+    tok = WhisperTokenizer(bundled_whisper_dir())
+    hello, world = tok.encode(" Hello"), tok.encode(" world")
+    cuts, seek = split_segments([TB, *hello, TB + 50, TB + 60, *world], TB, 3000)
+    assert [(c.start, c.end) for c in cuts] == [(0.0, 1.0)] and seek == 100
+    tokens = [TB, *hello, TB + 50, TB + 60, *world, TB + 120, TB + 130, *hello]
+    cuts, seek = split_segments(tokens, TB, 3000)
+    assert [(c.start, c.end) for c in cuts] == [(0.0, 1.0), (1.2, 2.4)] and seek == 240
+
+
+def _fw_split(tokens: list[int], frames: int) -> tuple[list[tuple[float, float]], int]:
+    """faster-whisper 1.2.1's own _split_segments_by_timestamps on the same tokens."""
+    from faster_whisper.transcribe import WhisperModel
+
+    model = SimpleNamespace(time_precision=0.02, input_stride=2)
+    segments, seek, _ = WhisperModel._split_segments_by_timestamps(
+        model,  # type: ignore[arg-type]
+        SimpleNamespace(timestamp_begin=TB),  # type: ignore[arg-type]
+        tokens, 0.0, frames, frames / 100, 0,
+    )  # fmt: skip
+    return [(s["start"], s["end"]) for s in segments], seek
+
+
+@st.composite
+def _timestamped(draw: st.DrawFn) -> list[int]:
+    """Tokens as the timestamp rules allow them: segments of text between non-decreasing
+    timestamps, at least one closed pair, ending on a pair, a lone timestamp or text."""
+    t, out = draw(st.integers(0, 50)), []
+    for _ in range(draw(st.integers(2, 5))):
+        out += [TB + t, *draw(st.lists(st.integers(0, 50000), min_size=1, max_size=4))]
+        t += draw(st.integers(1, 300))
+        out.append(TB + t)
+        t += draw(st.integers(0, 40))
+    end = draw(st.sampled_from(["pair", "single", "text"]))
+    if end == "pair":
+        out.append(TB + t)
+    elif end == "text":
+        out += [TB + t, 400]
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_timestamped(), st.sampled_from([3000, 1700]))
+def test_split_and_seek_equal_faster_whispers(tokens: list[int], frames: int) -> None:
+    """Windows with at least one timestamp pair: the same cuts and the same seek."""
+    cuts, seek = split_segments(tokens, TB, frames)
+    theirs, their_seek = _fw_split(tokens, frames)
+    assert [(c.start, c.end) for c in cuts] == [pytest.approx(x, abs=1e-9) for x in theirs]
+    assert seek == their_seek
