@@ -119,7 +119,7 @@ class CausalCache:
         self.memory = self._normalise_memory(memory)
         self.shift = _rotary_owner(shift)
         # the shift when it is a rotary embedding (its tables serve the kernels), else None;
-        # checked once: a runtime Protocol check costs ~20 us, too much per layer call
+        # checked once: a runtime Protocol check is too slow for every layer call
         self.rotary: RotaryShift | None = (
             self.shift if isinstance(self.shift, RotaryShift) else None
         )
@@ -369,7 +369,7 @@ class CausalCache:
     def _kernel_reads(self) -> bool:
         """Whether the C++ kernels may serve this forward's attention (else the plain-torch
         reference): read once a forward, not once a layer (an environment lookup and these
-        checks took ~15 us a layer call in a decode step)."""
+        checks cost a decode step more than the kernel's call did: docs/design/kernels.md)."""
         rotary = self.key_rope == "post" or self.rotary is not None
         return (
             os.environ.get(ATTENTION_ENV, "") != "reference"

@@ -75,7 +75,7 @@ class RotaryFrame:
     positions: np.ndarray
     shift: RotaryShift
     # the tables of the last positions rotated by, keyed by their values (a seal rotates the
-    # same rows' centres in every layer: one table for all of them, ~0.1 ms a layer saved)
+    # same rows' centres in every layer: one table for all of them; docs/design/turbo.md)
     _last: (
         tuple[tuple[bytes, torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] | None
     ) = field(default=None, repr=False, compare=False)

@@ -428,8 +428,8 @@ def fixed_sum(v: torch.Tensor, width: int) -> torch.Tensor:
 
 def correct_sqrt(v: torch.Tensor) -> torch.Tensor:
     """Square roots of float32 ``v`` rounded correctly (IEEE's sqrt, as csrc/encode.cpp's
-    ``std::sqrt``): torch's float32 sqrt on this CPU is not (15 % of random inputs differ by an
-    ulp); a float64 root rounded to float32 is, for float32 inputs."""
+    ``std::sqrt``): torch's float32 sqrt on this CPU is not (docs/design/turbo.md); a float64
+    root rounded to float32 is, for float32 inputs."""
     return v.double().sqrt_().float()
 
 

@@ -11,11 +11,10 @@ The kernel's outputs do not depend on the rows beside them: a sequence decoded i
 16 gets the bits it gets alone (torch's GEMV for one row and GEMM for several round apart).
 
 ``rms_norm`` is ``F.rms_norm`` over the last dim in one pass a row (``csrc/linear.cpp``):
-torch's is a chain of small ops, ~100 us a call in a SmolLM2 decode step, 61 calls a step.
+torch's is a chain of small ops.
 
 A decode step's small ops around the products cost more than their arithmetic: between two
-weight passes the caches are cold, and each Python call and torch op took ~10-35 us a layer
-(a SmolLM2 step at 16 tokens spent 17 ms of 45 outside its C++ calls). So the kernel takes
+weight passes the caches are cold (figures: docs/design/kernels.md). So the kernel takes
 the ops next to a product: ``norm_linear`` (RMSNorm, then the product) and ``add_linear``
 (the residual added, and with ``glu`` SwiGLU's silu(gate) * up before the product) are one
 call each, with the bits of the separate calls (norm_linear) or within a float32 rounding of

@@ -1,10 +1,10 @@
 """Row operations of a decode step in one C++ call each (``csrc/rows.cpp``): RoPE of a few
 rows, and K/V rows copied into their cells.
 
-Between two attention calls a decode step's Python runs with cold caches; on a Zen 3 VM each
-small torch op then costs 8-15 us, and a 4-bit cache's ``put`` of one token took 80-160 us a
-layer in chains of them (30 layers a step). Both functions give the bits torch's ops give and
-fall back to those ops for what the kernels do not take (other dtypes or devices, autograd).
+Between two attention calls a decode step's Python runs with cold caches, where each small
+torch op costs microseconds and a 4-bit cache's ``put`` was a chain of them (why and what it
+bought: docs/design/kernels.md). Both functions give the bits torch's ops give and fall back
+to those ops for what the kernels do not take (other dtypes or devices, autograd).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def moved(p: torch.Tensor, o: torch.Tensor, v: torch.Tensor, exact: bool = True)
     the values v [Hq, n, D'] (both through ``out_factor``).
 
     ``exact=False`` (the press): the distances as |o|^2 + |v|^2 - 2 o.v through a matrix
-    product (4x faster at 2k cells, 2 threads: 8 against 32 ms), except each row's most attended
+    product (faster: docs/design/presses.md), except each row's most attended
     cell, whose distance is taken exactly: only there can p / (1 - p) be large (p > 1/2 for
     at most one cell), and there o nears v_n, where the product form loses its digits."""
     if exact:
