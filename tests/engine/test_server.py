@@ -762,6 +762,9 @@ def test_model_identity_names_file_content_and_dtype(tmp_path):
         (["--port", "70000"], "--port"),
         (["--model", "/nonexistent.gguf"], "--model"),
         (["--kv-codec", "int3"], "codec"),
+        (["--kv-events", "http://127.0.0.1:5557"], "--kv-events"),
+        (["--kv-events", "tcp://127.0.0.1:5557", "--no-prefix-cache"], "--kv-events"),
+        (["--kv-events-replay", "tcp://127.0.0.1:5558"], "--kv-events-replay"),
     ],
 )
 def test_serve_rejects_bad_options_before_loading_weights(capsys, args, message):

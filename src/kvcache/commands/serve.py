@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 EPILOG = """\
 endpoints:
   POST /v1/completions, POST /v1/chat/completions   (OpenAI shapes; "stream": true = SSE)
-  GET /v1/models, GET /health, GET /metrics          (Prometheus text)
+  GET /v1/models, GET /health, GET /metrics          (Prometheus text; vLLM's load gauges too)
+  GET /server_info, /model_info, /get_load, /health_generate, /version
+                                                      (what sglang-router / vllm-router probe)
+  POST /reset_prefix_cache (or /flush_cache)          empty the prefix cache when idle
 
 KV events (--kv-events): vLLM's schema; see kvcache.engine.events for the wire format.
 
@@ -36,6 +39,8 @@ examples:
   kvcache serve --max-sequences 16 --pool-sequences 8 --spill disk:/tmp/kv-spill
                                                       16 requests over cells for 8: preempted
                                                       requests' K/V wait on disk, not recomputed
+  kvcache serve --kv-events tcp://127.0.0.1:5557 --kv-events-replay tcp://127.0.0.1:5558
+                                                      KV events for a KV-aware router
   curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
 
