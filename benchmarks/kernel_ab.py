@@ -180,8 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [compare(c, s, n, [ours, base], args) for c, s, n in tqdm(jobs, desc="kernel A/B")]
     cols = ["codec", "shape", "ours_ms", "base_ms", "ratio", "ratio_lo", "ratio_hi", "verdict"]
     print(table(rows, cols))
-    path = write_json(args.json, {"base": args.base, "rows": rows})
-    print(f"wrote {path}")
+    write_json(args.json, {"base": args.base, "rows": rows})
 
 
 if __name__ == "__main__":
