@@ -135,6 +135,8 @@ class Deployment:
         command = [_tool("sglang-router"), "launch", "--host", "127.0.0.1"]
         command += ["--port", str(self.port), "--policy", self.policy]
         command += ["--worker-urls", *self.replica_urls]
+        if "--prometheus-port" not in self.router_args:  # its default, 29000, may be taken
+            command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return command + self.router_args
 
     def _spawn(self, name: str, command: list[str]) -> None:
