@@ -280,13 +280,16 @@ def _check_context(config: EngineConfig, model: Llama) -> None:
 def _tokenizer_file(tokenizer: Tokenizer, identity: str) -> str | None:
     """The tokenizer as a ``tokenizer.json`` (what sglang-router loads for a worker's model:
     it cannot read a GGUF), written once under the cache folder; None if it cannot be."""
+    save = getattr(getattr(tokenizer, "backend", None), "save", None)  # a tokenizers pipeline
+    if save is None:
+        return None
     folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcache"
     path = folder / "tokenizers" / identity / "tokenizer.json"
     try:
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tokenizer.backend.save(str(tmp))
+            save(str(tmp))
             os.replace(tmp, path)
     except OSError:
         return None
