@@ -1,36 +1,38 @@
-"""SmolLM2-135M in transformers: KVCacheForTransformers vs transformers' own caches.
+"""SmolLM2-135M in transformers' generate: what does each cache cost per decode step?
 
-One question: what does our cell cache cost or save when it is handed to transformers'
-``generate`` (``past_key_values=KVCacheForTransformers(...)``), compared with DynamicCache,
-StaticCache and QuantizedCache (quanto int4, HQQ int4), on the same model, prompt and
-machine? Greedy, exactly N new tokens (EOS suppressed), float32 weights converted once from
-the GGUF.
+Contenders, in one process, on the same model and prompts: transformers' DynamicCache,
+StaticCache and QuantizedCache (quanto int4) under sdpa, and ours,
+``KVCacheForTransformers(config, codec=C)`` under ``attn_implementation="kvcache"`` (the
+attention reads the codes in the cell cache) for C in fp32, int8, kivi4, turbo4
+(``--decoded`` adds ``sdpa-C``: ours under sdpa, attending over K/V decoded every step).
 
-Every (cache, prompt length) runs in its own subprocess so its peak RSS (``ru_maxrss``,
-model load included) belongs to it alone; ``gen_peak_mib`` is that peak minus the RSS right
-after the model loaded. Prefill tok/s = prompt tokens / time to the first new token; decode
-tok/s = the other N-1 tokens / their time (a streamer timestamps generate's loop). KV bytes:
-ours = storage allocated for prompt + N tokens (``memory_usage_bytes()``); transformers'
-caches = bytes of every tensor they hold at the end (quantized codes, scales, zeros and the
-full-precision residual). ``same`` = greedy tokens equal to DynamicCache's up to that token.
+For each prompt length and batch size (distinct prompts per row: consecutive slices of the
+Debian license texts), every contender prefills its own cache once (generate of one token),
+then the rounds: each contender in turn continues its own greedy generate by ``--step``
+tokens from its cache, the order rotating each round (``harness.take_turns``). Decode tok/s
+= batch x step / the round's time (aggregate over rows); ``x_dynamic`` / ``x_quanto`` = the
+median of per-round ratios. KV bytes: ours = bytes the cells in use hold (``held``) and the
+storage allocated; transformers' caches = every tensor they hold. ``same`` = greedy tokens
+equal to DynamicCache's, first row, up to that token.
 
-    .venv/bin/python benchmarks/hf_generate.py            # prompts 1k, 4k, 8k; 128 new
-    .venv/bin/python benchmarks/hf_generate.py --quick    # prompts 256, 1k; 32 new
-    .venv/bin/python benchmarks/hf_generate.py --caches dynamic ours-fp32 --lengths 2048
+RSS (``--rss``, a worker process per codec at the longest length, batch 1): after the
+prefill the peak RSS is reset (``/proc/self/clear_refs``), then 32 decode tokens; ``growth``
+= that peak - the RSS before them - the growth of the cache's own bytes. The issue's bound:
+< 10 MB for ours under "kvcache" (the sdpa rows show what decoding the history costs).
 
-Writes benchmarks/results/hf_generate.json (``--quick``: hf_generate_quick.json) and, with
-matplotlib, the PNG beside it. Goals (issue 6): ours-fp32 decode >= DynamicCache at every
-length and a lower peak RSS at 8k; our 4-bit codecs faster than both QuantizedCache backends
-at every length with no more KV bytes.
+    .venv/bin/python benchmarks/hf_generate.py                      # 1k and 4k, batch 1 and 4
+    .venv/bin/python benchmarks/hf_generate.py --lengths 512 --batches 1 --rounds 2 --no-rss
+
+Writes benchmarks/results/hf_generate.json and .png (decode tok/s against context per cache,
+one panel per batch size). Goals (4k, batch 1): ours fp32 >= 1.4x DynamicCache, int8 and
+kivi4 >= 1.5x, turbo4 >= 1.3x, each >= 3x QuantizedCache.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import sys
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,78 +40,57 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    RESULTS,
-    agreement,
-    hf_checkpoint,
-    spawn_worker,
-    table,
-    token_clock,
-    write_json,
-)
+from common import hf_checkpoint, license_tokens
+from harness import paired_ratio, plot, spawn_worker, table, take_turns, worker_result, write_json
 
-PASSAGE = (
-    "The key-value cache stores the keys and values of every token a transformer has already "
-    "seen, so that generating the next token costs one row of attention instead of a full "
-    "recomputation. Many sequences can share one pool of cells, and a prompt prefix computed "
-    "once can be forked by reference into several continuations without copying anything. "
-)
-CACHES = (
-    "dynamic",
-    "static",
-    "quanto-int4",
-    "hqq-int4",
-    "ours-fp32",
-    "ours-int8",
-    "ours-int4",
-    "ours-kivi4",
-)
-FOUR_BIT_OURS = ("ours-int4", "ours-kivi4")
-FOUR_BIT_PEERS = ("quanto-int4", "hqq-int4")
+PEERS = ("dynamic", "static", "quanto-int4")
+CODECS = ("fp32", "int8", "kivi4", "turbo4")
+GOALS = {"fp32": 1.4, "int8": 1.5, "kivi4": 1.5, "turbo4": 1.3}  # x DynamicCache at 4k, batch 1
+GOAL_QUANTO = 3.0
+RSS_STEPS = 32
 DEFAULT_HF_DIR = Path.home() / ".cache" / "kvcache" / "smollm2-hf"
 
 
-def rss_mib(peak: bool) -> float:
-    """Peak RSS (ru_maxrss) or current RSS of this process, MiB."""
-    if peak:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+def load_model(hf_dir: Path) -> Any:
+    import transformers
+
+    import kvcache.hf  # noqa: F401  # registers the "kvcache" attention implementation
+
+    transformers.logging.set_verbosity_error()
+    return transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
-def prompt_ids(length: int) -> list[int]:
-    """``length`` tokens of English text (the passage repeated), from the GGUF's tokenizer."""
+def prompts(length: int, batch: int) -> torch.Tensor:
+    """``batch`` distinct prompts of ``length`` tokens [batch, length]."""
     from kvcache.text.tokenizer import Tokenizer
     from kvcache.weights.gguf import smollm2_path
 
-    tok = Tokenizer.from_gguf(smollm2_path())
-    ids = tok.encode(PASSAGE, add_bos=False)
-    return (ids * (length // len(ids) + 1))[:length]
+    ids = license_tokens(Tokenizer.from_gguf(smollm2_path()), length * batch)
+    return torch.tensor(ids).view(batch, length)
 
 
-# ---- caches under test -----------------------------------------------------------------
-def make_cache(name: str, config: Any, capacity: int) -> Any:
-    """A fresh cache by benchmark name, sized for ``capacity`` tokens where it preallocates."""
+# ---- caches ------------------------------------------------------------------------------
+def make_cache(name: str, config: Any, capacity: int, batch: int) -> tuple[Any, str]:
+    """A fresh cache by contender name and the attention implementation it runs under."""
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
     from kvcache.hf import KVCacheForTransformers
 
-    table_: dict[str, Callable[[], Any]] = {
+    if name in CODECS or name.startswith("sdpa-"):
+        codec = name.removeprefix("sdpa-")
+        cache = KVCacheForTransformers(config, capacity=capacity, max_batch_size=batch, codec=codec)
+        return cache, "sdpa" if name.startswith("sdpa-") else "kvcache"
+    peers: dict[str, Callable[[], Any]] = {
         "dynamic": lambda: DynamicCache(config=config),
         "static": lambda: StaticCache(config=config, max_cache_len=capacity),
         "quanto-int4": lambda: QuantizedCache(backend="quanto", config=config, nbits=4),
-        "hqq-int4": lambda: QuantizedCache(backend="hqq", config=config, nbits=4),
     }
-    if name.startswith("ours-"):
-        codec = name.removeprefix("ours-")
-        return KVCacheForTransformers(config, capacity=capacity, codec=codec)
-    return table_[name]()
+    return peers[name](), "sdpa"
 
 
 def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
     """Bytes of every tensor reachable from ``obj`` (quanto QTensors through their inner
-    tensors, HQQ's (codes, meta) tuples, cache layers through their attributes)."""
+    tensors, cache layers through their attributes)."""
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return 0
@@ -123,198 +104,220 @@ def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
         return sum(tensor_bytes(v, seen) for v in obj.values())
     if isinstance(obj, list | tuple):
         return sum(tensor_bytes(v, seen) for v in obj)
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("transformers"):
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith(("transformers", "optimum")):
         return sum(tensor_bytes(v, seen) for v in vars(obj).values())
     return 0
 
 
-def kv_bytes(cache: Any) -> int:
-    if hasattr(cache, "memory_usage_bytes"):
-        return int(cache.memory_usage_bytes())
-    return sum(tensor_bytes(layer) for layer in cache.layers)
+def kv_bytes(cache: Any) -> tuple[int, int]:
+    """(bytes held, bytes allocated) of a cache's K/V."""
+    if hasattr(cache, "caches"):  # ours
+        held = sum(c.held_bytes() for c in cache.caches)
+        return held, int(cache.memory_usage_bytes())
+    n = sum(tensor_bytes(layer) for layer in cache.layers)
+    return n, n
 
 
-# ---- worker (one subprocess per measurement) -------------------------------------------
-def worker(name: str, length: int, new: int, hf_dir: str, repeats: int) -> dict[str, Any]:
-    """Load the model, warm up, then ``repeats`` timed generates, each with a fresh cache
-    (best prefill and decode rate kept: on a shared machine best-of is the least noisy)."""
-    import transformers
+# ---- one contender -------------------------------------------------------------------------
+class Contender:
+    """One cache generating greedily, ``step`` tokens per call, from where it stopped."""
 
-    transformers.logging.set_verbosity_error()
-    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids(length)])
+    def __init__(self, name: str, model: Any, ids: torch.Tensor, capacity: int) -> None:
+        self.name, self.model = name, model
+        self.cache, self.attn = make_cache(name, model.config, capacity, ids.shape[0])
+        self.seqs = ids
+        self.prefill_s = self._generate(1)
 
-    def generate(prompt: torch.Tensor, n_new: int, cache: Any, clock: Any) -> Any:
+    def _generate(self, new: int) -> float:
+        self.model.set_attn_implementation(self.attn)
+        start = time.perf_counter()
         with torch.no_grad():
-            return model.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                past_key_values=cache,
-                max_new_tokens=n_new,
-                min_new_tokens=n_new,
+            self.seqs = self.model.generate(
+                self.seqs,
+                attention_mask=torch.ones_like(self.seqs),
+                past_key_values=self.cache,
+                max_new_tokens=new,
+                min_new_tokens=new,
                 do_sample=False,
                 pad_token_id=0,
-                streamer=clock,
             )
+        return time.perf_counter() - start
 
-    generate(ids[:, :16], 4, make_cache(name, model.config, 24), None)  # warm-up
-    loaded = rss_mib(peak=False)
-    prefill, decode = 0.0, 0.0
-    for _ in range(repeats):
-        cache = make_cache(name, model.config, length + new)
-        clock = token_clock()
-        start = time.perf_counter()
-        out = generate(ids, new, cache, clock)
-        end = time.perf_counter()
-        first = clock.times[1]  # times[0]: the prompt, put before any forward
-        prefill = max(prefill, length / (first - start))
-        decode = max(decode, (new - 1) / (end - first))
-        nbytes = kv_bytes(cache)
-        del cache
+    def decode(self, step: int) -> Callable[[], float]:
+        return lambda: self._generate(step)
+
+
+def measure(model: Any, names: list[str], length: int, batch: int, args: Any) -> list[dict]:
+    """Rounds of ``args.step`` tokens per contender at one (length, batch), taking turns."""
+    ids = prompts(length, batch)
+    capacity = length + 1 + (args.rounds + 1) * args.step
+    contenders = {}
+    for name in names:
+        print(f"  prefill {name} L={length} B={batch}", flush=True)
+        contenders[name] = Contender(name, model, ids, capacity)
+    times = take_turns({n: c.decode(args.step) for n, c in contenders.items()}, args.rounds, warm=1)
+    ref = contenders["dynamic"].seqs[0, length:].tolist() if "dynamic" in contenders else None
+    rows = []
+    for name, c in contenders.items():
+        held, allocated = kv_bytes(c.cache)
+        row: dict[str, Any] = {
+            "cache": name,
+            "attn": c.attn,
+            "length": length,
+            "batch": batch,
+            "prefill_tok_s": length * batch / c.prefill_s,
+            "decode_tok_s": batch * args.step / statistics.median(times[name]),
+            "kv_held_mib": held / 2**20,
+            "kv_alloc_mib": allocated / 2**20,
+        }
+        for peer in ("dynamic", "quanto-int4"):
+            if peer in times:
+                row[f"x_{peer.split('-')[0]}"] = paired_ratio(times[peer], times[name])
+        if ref is not None:
+            mine = c.seqs[0, length:].tolist()
+            row["same"] = next(
+                (i for i, (a, b) in enumerate(zip(ref, mine, strict=False)) if a != b), len(ref)
+            )
+        rows.append(row)
+    del contenders
+    return rows
+
+
+# ---- peak RSS over decode (a worker per codec) --------------------------------------------
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def rss_worker(name: str, length: int, hf_dir: Path) -> dict[str, Any]:
+    model = load_model(hf_dir)
+    warm = Contender(name, model, prompts(64, 1), 64 + 40)
+    warm._generate(8)
+    del warm
+    c = Contender(name, model, prompts(length, 1), length + RSS_STEPS + 8)
+    c._generate(2)  # the first decode steps allocate what every step reuses
+    before, held = rss_bytes(), kv_bytes(c.cache)[1]
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+    c._generate(RSS_STEPS)
+    peak = peak_bytes()
+    grown = kv_bytes(c.cache)[1] - held
     return {
-        "prefill_tok_s": prefill,
-        "decode_tok_s": decode,
-        "kv_bytes": nbytes,
-        "peak_rss_mib": rss_mib(peak=True),
-        "gen_peak_mib": rss_mib(peak=True) - loaded,
-        "tokens": out[0, length:].tolist(),
+        "cache": name,
+        "length": length,
+        "rss_before_mib": before / 2**20,
+        "peak_mib": peak / 2**20,
+        "cache_growth_mib": grown / 2**20,
+        "growth_mib": (peak - before - grown) / 2**20,
     }
 
 
-# ---- driver ----------------------------------------------------------------------------
-def measure(name: str, length: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one worker subprocess and parse its RESULT line."""
-    worker_args = ["--worker", name, "--lengths", str(length), "--new-tokens", str(args.new_tokens)]
-    worker_args += ["--threads", str(args.threads), "--hf-dir", str(args.hf_dir)]
-    worker_args += ["--repeats", str(args.repeats)]
-    return spawn_worker(__file__, worker_args, args.threads, f"{name} L={length}")
-
-
-def goals(rows: list[dict[str, Any]], lengths: list[int]) -> list[str]:
-    """The issue's goals, each line saying met / missed with the numbers."""
-    by = {(r["cache"], r["length"]): r for r in rows}
+# ---- report --------------------------------------------------------------------------------
+def goals(rows: list[dict[str, Any]], length: int) -> list[str]:
+    by = {r["cache"]: r for r in rows if r["length"] == length and r["batch"] == 1}
     out = []
-    for n in lengths:
-        ours, dyn = by.get(("ours-fp32", n)), by.get(("dynamic", n))
-        if ours and dyn:
-            ok = ours["decode_tok_s"] >= dyn["decode_tok_s"]
-            out.append(
-                f"[{'met' if ok else 'MISSED'}] L={n}: ours-fp32 decode {ours['decode_tok_s']:.1f} "
-                f">= dynamic {dyn['decode_tok_s']:.1f} tok/s"
-            )
-        for mine in FOUR_BIT_OURS:
-            m = by.get((mine, n))
-            for peer in FOUR_BIT_PEERS:
-                p = by.get((peer, n))
-                if m and p:
-                    ok = m["decode_tok_s"] > p["decode_tok_s"] and m["kv_bytes"] <= p["kv_bytes"]
-                    out.append(
-                        f"[{'met' if ok else 'MISSED'}] L={n}: {mine} {m['decode_tok_s']:.1f} tok/s, "
-                        f"{m['kv_bytes'] / 2**20:.1f} MiB KV vs {peer} {p['decode_tok_s']:.1f} "
-                        f"tok/s, {p['kv_bytes'] / 2**20:.1f} MiB"
-                    )
-    top = max(lengths)
-    ours, dyn = by.get(("ours-fp32", top)), by.get(("dynamic", top))
-    if ours and dyn:
-        ok = ours["peak_rss_mib"] < dyn["peak_rss_mib"]
-        out.append(
-            f"[{'met' if ok else 'MISSED'}] L={top}: ours-fp32 peak RSS {ours['peak_rss_mib']:.0f} "
-            f"< dynamic {dyn['peak_rss_mib']:.0f} MiB"
-        )
+    for codec, goal in GOALS.items():
+        r = by.get(codec)
+        if r is None:
+            continue
+        for key, want, peer in (
+            ("x_dynamic", goal, "DynamicCache"),
+            ("x_quanto", GOAL_QUANTO, "quanto"),
+        ):
+            if key in r:
+                ok = r[key] >= want
+                out.append(
+                    f"[{'met' if ok else 'MISSED'}] L={length} B=1: {codec} decode "
+                    f"{r[key]:.2f}x {peer} (goal >= {want}x)"
+                )
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+def draw(rows: list[dict[str, Any]], batches: list[int]) -> Callable[[Any, Any], None]:
+    def inner(fig: Any, axes: Any) -> None:
+        axes = [axes] if len(batches) == 1 else list(axes)
+        for ax, batch in zip(axes, batches, strict=True):
+            mine = [r for r in rows if r["batch"] == batch]
+            for name in dict.fromkeys(r["cache"] for r in mine):
+                pts = [r for r in mine if r["cache"] == name]
+                style = "-o" if name in CODECS else "--s"
+                label = f"ours {name}" if name in CODECS else name
+                xs = [r["length"] for r in pts]
+                ax.plot(xs, [r["decode_tok_s"] for r in pts], style, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (prompt tokens)")
+            ax.set_ylabel("decode tok/s (all rows)")
+            ax.set_title(f"batch {batch}")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle("SmolLM2-135M, transformers generate: caches side by side (shared machine)")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.5))
-    for name in dict.fromkeys(r["cache"] for r in rows):
-        mine = [r for r in rows if r["cache"] == name]
-        xs = [r["length"] for r in mine]
-        style = "-o" if name.startswith("ours") else "--s"
-        ax1.plot(xs, [r["decode_tok_s"] for r in mine], style, label=name)
-        ax2.plot(xs, [r["peak_rss_mib"] for r in mine], style, label=name)
-        ax3.plot(xs, [r["kv_bytes"] / 2**20 for r in mine], style, label=name)
-    for ax, title in (
-        (ax1, "decode tok/s"),
-        (ax2, "peak RSS (MiB, model included)"),
-        (ax3, "KV bytes (MiB)"),
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M, transformers generate: KVCacheForTransformers vs HF caches")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return inner
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Each (cache, length) runs in its own subprocess; see the module docstring.",
-    )
-    ap.add_argument("--quick", action="store_true", help="prompts 256 and 1k, 32 new tokens")
-    ap.add_argument(
-        "--lengths", type=int, nargs="+", help="prompt lengths (default 1024 4096 8192)"
-    )
-    ap.add_argument("--new-tokens", type=int, help="new tokens per run (default 128)")
-    ap.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per worker, best kept")
-    ap.add_argument("--name", help="result file stem (default hf_generate[_quick])")
-    ap.add_argument("--hf-dir", type=Path, default=DEFAULT_HF_DIR, help="converted checkpoint")
-    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    ap.add_argument("--worker", choices=CACHES, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    lengths = args.lengths or ([256, 1024] if args.quick else [1024, 4096, 8192])
-    args.new_tokens = args.new_tokens or (32 if args.quick else 128)
-    if args.repeats < 1 or args.new_tokens < 2:
-        ap.error("--repeats must be >= 1 and --new-tokens >= 2")
-    if args.worker:
-        torch.set_num_threads(args.threads)
-        result = worker(args.worker, lengths[0], args.new_tokens, str(args.hf_dir), args.repeats)
-        print("RESULT " + json.dumps(result), flush=True)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--caches", nargs="+", default=[*PEERS, *CODECS])
+    ap.add_argument("--decoded", action="store_true", help="add ours under sdpa (sdpa-CODEC)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--step", type=int, default=8, help="decode tokens per contender per round")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS workers")
+    ap.add_argument("--name", default="hf_generate", help="result name")
+    ap.add_argument("--hf-dir", type=Path, default=DEFAULT_HF_DIR)
+    ap.add_argument("--rss-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.rss_worker:
+        worker_result(rss_worker(args.rss_worker, max(args.lengths), args.hf_dir))
         return 0
-
+    names = list(args.caches) + ([f"sdpa-{c}" for c in CODECS] if args.decoded else [])
     hf_checkpoint(args.hf_dir)
+    model = load_model(args.hf_dir)
     rows: list[dict[str, Any]] = []
-    for n in lengths:
-        for name in args.caches:
-            print(f"{name} L={n} ...", flush=True)
-            r = {"cache": name, "length": n, **measure(name, n, args)}
-            rows.append(r)
-    for r in rows:
-        ref = next(
-            (x for x in rows if x["cache"] == "dynamic" and x["length"] == r["length"]), None
-        )
-        r["same"] = agreement(r["tokens"], ref["tokens"]) if ref else ""
-        r["kv_mib"] = r["kv_bytes"] / 2**20
-    columns = ["cache", "length", "prefill_tok_s", "decode_tok_s", "peak_rss_mib"]
-    columns += ["gen_peak_mib", "kv_mib", "same"]
+    for batch in args.batches:
+        for length in args.lengths:
+            rows += measure(model, names, length, batch, args)
+    columns = ["cache", "attn", "length", "batch", "prefill_tok_s", "decode_tok_s"]
+    columns += ["x_dynamic", "x_quanto", "kv_held_mib", "kv_alloc_mib", "same"]
     print(table(rows, columns))
-    checks = goals(rows, lengths)
+    rss = []
+    if not args.no_rss:
+        top = max(args.lengths)
+        for name in [c for c in CODECS if c in names] + ["sdpa-int8"]:
+            worker_args = [
+                "--rss-worker",
+                name,
+                "--lengths",
+                str(top),
+                "--hf-dir",
+                str(args.hf_dir),
+            ]
+            worker_args += ["--threads", str(args.threads)]
+            rss.append(spawn_worker(__file__, worker_args, args.threads, f"rss {name}"))
+        print(
+            table(
+                rss,
+                ["cache", "length", "rss_before_mib", "peak_mib", "cache_growth_mib", "growth_mib"],
+            )
+        )
+    checks = goals(rows, 4096 if 4096 in args.lengths else max(args.lengths))
     print("\n".join(checks))
-    name = args.name or ("hf_generate_quick" if args.quick else "hf_generate")
-    payload = {
-        "new_tokens": args.new_tokens,
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
-        "goals": checks,
-    }
-    print(f"wrote {write_json(name, payload)}")
-    if not args.no_plot:
-        try:
-            plot(rows, RESULTS / f"{name}.png")
-            print(f"wrote {RESULTS / f'{name}.png'}")
-        except ImportError:
-            print("matplotlib not installed: no PNG (pip install -e .[bench])")
+    payload = {"step": args.step, "rounds": args.rounds, "rows": rows, "rss": rss, "goals": checks}
+    write_json(args.name, payload)
+    plot(
+        args.name,
+        draw(rows, args.batches),
+        figsize=(6.0 * len(args.batches), 4.5),
+        ncols=len(args.batches),
+    )
     return 0
 
 
