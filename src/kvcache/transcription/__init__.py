@@ -7,7 +7,9 @@ Layout (each module imports only the ones above it)::
     search.py       one window's decode as a step machine: greedy / samples, beam search
     longform.py     one file's windows: seek, previous-text prompt, fallback, no-speech, segments
     batch.py        many files' searches in one WhisperKVCache, one decoder step for all
-    transcriber.py  Transcriber (model + tokenizer); transcribe(), transcribe_many()
+    chunks.py       VAD speech regions merged into <= 30 s chunks; chunk time -> file time
+    transcriber.py  Transcriber (model + tokenizer); transcribe(), transcribe_many(),
+                    transcribe(..., batch_size=N): a file's VAD chunks decoded together
     writers.py      txt / srt / vtt / json files of a Transcript
 
 ``kvcache.transcribe`` is :func:`transcribe`.

@@ -7,23 +7,31 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvcache.audio.mel import CHUNK_SAMPLES, FRAMES_PER_SECOND, SAMPLE_RATE, log_mel_spectrogram
+from kvcache.audio.mel import (
+    CHUNK_SAMPLES,
+    FRAMES_PER_SECOND,
+    HOP_LENGTH,
+    SAMPLE_RATE,
+    log_mel_spectrogram,
+)
 from kvcache.errors import InvalidArgumentError
 from kvcache.models.whisper import Whisper
 from kvcache.models.whisper_decode import WhisperKVCache
 from kvcache.text.whisper_tokenizer import WhisperTokenizer
 from kvcache.transcription.batch import BatchDecoder, make_search
+from kvcache.transcription.chunks import merge_regions
 from kvcache.transcription.longform import LongForm, Request, Transcript
 from kvcache.transcription.options import TEMPERATURES, TranscribeOptions
 from kvcache.transcription.rules import LogitRules
 from kvcache.transcription.search import run_search
+from kvcache.validate import int_arg
 
 AudioInput = str | Path | np.ndarray | torch.Tensor
 
@@ -119,6 +127,43 @@ class Transcriber:
         """Transcript of one 16 kHz input (the batched path with one file)."""
         return self.transcribe_many([audio], options, progress)[0]
 
+    def transcribe_chunks(
+        self,
+        audio: np.ndarray,
+        options: TranscribeOptions,
+        batch_size: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> Transcript:
+        """Transcript of one 16 kHz input from its speech (Silero VAD) merged into chunks of
+        at most 30 s, ``batch_size`` chunks decoded together (faster-whisper's batched
+        pipeline). No previous-text prompt across chunks, and no window skipped as silence:
+        VAD found speech in each; a chunk whose decode stops before its end is decoded on from
+        there, so no chunk's speech is dropped."""
+        from kvcache.audio.vad import VadOptions, detect_speech
+
+        samples = np.asarray(audio, dtype=np.float32)
+        vad = VadOptions(
+            max_speech_duration_s=CHUNK_SAMPLES / SAMPLE_RATE, min_silence_duration_ms=160
+        )
+        chunks = merge_regions(detect_speech(samples, vad), CHUNK_SAMPLES)
+        if progress is not None:  # the silence VAD cut out counts as done
+            progress(
+                (len(samples) - sum(c.samples for c in chunks)) * FRAMES_PER_SECOND // SAMPLE_RATE
+            )
+        opts = replace(options, condition_on_previous_text=False, no_speech_threshold=None)
+        ctx = self.model.config.n_text_ctx
+        jobs = [
+            LongForm(self.features(c.audio(samples)), self.tokenizer, opts, ctx) for c in chunks
+        ]
+        BatchDecoder(self.model, self.rules, opts, batch_size).run(jobs, progress)
+        segments = [
+            replace(s, start=c.file_time(s.start), end=c.file_time(s.end, is_end=True))
+            for c, job in zip(chunks, jobs, strict=True)
+            for s in job.segments
+        ]
+        text = "".join(s.text for s in segments).strip()
+        return Transcript(text, segments, len(samples) // HOP_LENGTH / FRAMES_PER_SECOND)
+
 
 @contextmanager
 def progress_bar(
@@ -192,6 +237,7 @@ def transcribe(
     condition_on_previous_text: bool = True,
     model: str | Path | None = None,
     progress: bool = False,
+    batch_size: int | None = None,
     **options: object,
 ) -> Transcript:
     """Transcribe a file (WAV/FLAC/OGG, other formats through ffmpeg) or 16 kHz mono samples
@@ -201,12 +247,18 @@ def transcribe(
     Further keywords are :class:`TranscribeOptions` fields (``best_of``, ``patience``,
     ``compression_ratio_threshold``, ``log_prob_threshold``, ``no_speech_threshold``,
     ``without_timestamps``, ``seed``, ...). ``model``: a CTranslate2 Whisper directory;
-    ``progress``: a bar over seconds of audio on stderr.
+    ``progress``: a bar over seconds of audio on stderr. ``batch_size``: VAD-batched instead
+    (speech found by Silero VAD, merged into chunks of up to 30 s, ``batch_size`` chunks
+    decoded together, no previous-text prompt: faster-whisper's ``BatchedInferencePipeline``).
     """
     opts = _options(beam_size, temperature, initial_prompt, condition_on_previous_text, options)
+    if batch_size is not None:
+        batch_size = int_arg("batch_size", batch_size, minimum=1)
     samples = read_audio(audio)
     tr = bundled(None if model is None else str(model))
     with progress_bar([samples], progress) as advance:
+        if batch_size is not None:
+            return tr.transcribe_chunks(samples, opts, batch_size, advance)
         return tr.transcribe(samples, opts, advance)
 
 
