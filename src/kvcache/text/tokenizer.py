@@ -17,6 +17,8 @@ from tokenizers import Tokenizer as Backend
 
 from kvcache.errors import InvalidArgumentError, NotSupportedError
 from kvcache.text.chat import ChatTemplate, Message
+from kvcache.text.sentencepiece import sentencepiece_backend
+from kvcache.text.templates import BUILTIN
 from kvcache.weights.gguf import GGUFFile, smollm2_path
 
 CONTROL = 3  # llama.cpp token type of special tokens (user-defined is 4)
@@ -60,6 +62,35 @@ PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
 }
 
 
+def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]) -> Backend:
+    """GPT-2's byte-level BPE from the file's merges, split as ``tokenizer.ggml.pre`` says."""
+    pre = str(gguf.get("tokenizer.ggml.pre", "default"))
+    if pre not in PRE_TOKENIZERS:
+        raise NotSupportedError(
+            f"{gguf.path.name}: tokenizer.ggml.pre={pre!r} is not supported; "
+            f"expected one of {sorted(PRE_TOKENIZERS)}"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in gguf.require("tokenizer.ggml.merges")]
+    backend = Backend(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    )
+    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece(gguf: GGUFFile, tokens: list[str]) -> Backend:
+    del gguf  # everything it needs is in the vocabulary
+    return sentencepiece_backend(tokens)
+
+
+# tokenizer.ggml.model -> the tokenizers pipeline of its vocabulary
+BACKENDS: dict[str, Callable[[GGUFFile, list[str]], Backend]] = {
+    "gpt2": _byte_level_bpe,
+    "llama": _sentencepiece,
+}
+
+
 class Tokenizer:
     """Text <-> token ids for a GGUF model, plus its special tokens and chat template."""
 
@@ -94,24 +125,14 @@ class Tokenizer:
     @classmethod
     def _build(cls, gguf: GGUFFile) -> Tokenizer:
         kind = gguf.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        build = BACKENDS.get(kind)
+        if build is None:
             raise NotSupportedError(
                 f"{gguf.path.name}: tokenizer.ggml.model={kind!r} is not supported; "
-                "expected 'gpt2' (byte-level BPE)"
-            )
-        pre = str(gguf.get("tokenizer.ggml.pre", "default"))
-        if pre not in PRE_TOKENIZERS:
-            raise NotSupportedError(
-                f"{gguf.path.name}: tokenizer.ggml.pre={pre!r} is not supported; "
-                f"expected one of {sorted(PRE_TOKENIZERS)}"
+                f"expected one of {sorted(BACKENDS)} (byte-level BPE, SentencePiece)"
             )
         tokens: list[str] = gguf.require("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in gguf.require("tokenizer.ggml.merges")]
-        backend = Backend(
-            models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-        )
-        backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
-        backend.decoder = decoders.ByteLevel()
+        backend = build(gguf, tokens)
         types = gguf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         backend.add_special_tokens(
             [
@@ -120,15 +141,18 @@ class Tokenizer:
                 if k == CONTROL
             ]
         )
+        # user-defined tokens stay whole where the model's vocabulary spells them as the file
+        # does (Gemma's runs of spaces are respelled as ▁ runs and merge instead)
+        vocab = backend.get_vocab(with_added_tokens=False)
         backend.add_tokens(
             [
                 AddedToken(t, normalized=False)
                 for t, k in zip(tokens, types, strict=True)
-                if k == USER_DEFINED
+                if k == USER_DEFINED and t in vocab
             ]
         )
         bos, eos = gguf.get("tokenizer.ggml.bos_token_id"), gguf.get("tokenizer.ggml.eos_token_id")
-        source = gguf.get("tokenizer.chat_template")
+        source = gguf.get("tokenizer.chat_template") or BUILTIN.get(gguf.architecture)
         template = None
         if source is not None:
             template = ChatTemplate(
@@ -150,12 +174,13 @@ class Tokenizer:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of ``text``; special tokens written in it (``<|im_start|>``) stay whole."""
+        """Token ids of ``text``; special tokens written in it (``<|im_start|>``) stay whole.
+        A text that starts with BOS itself (a chat template writes it) gets no second one."""
         if not isinstance(text, str):
             raise InvalidArgumentError("text", type(text).__name__, "a str")
         ids = self.backend.encode(text, add_special_tokens=False).ids
         bos = self.add_bos if add_bos is None else add_bos
-        if bos and self.bos_id is not None:
+        if bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
         return list(ids)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import mmap
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,44 @@ def smollm2_path() -> Path:
         f"package {SMOLLM2_PACKAGE!r} is installed but holds no {SMOLLM2_FILE} "
         f"(looked in {list(spec.submodule_search_locations)})"
     )
+
+
+# GGUF metadata value types -> bytes of one value (8 = string, 9 = array: variable)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def peek_architecture(path: str | Path) -> str:
+    """``general.architecture`` read from the header alone (GGUFReader parses every field,
+    seconds for a 262k-token vocabulary): what to load is known before anything is read."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF":
+            raise InvalidArgumentError("path", str(path), "a GGUF file (magic 'GGUF')")
+        (count,) = struct.unpack_from("<Q", head, 16)
+        for _ in range(count):
+            key = f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8", "replace")
+            (kind,) = struct.unpack("<I", f.read(4))
+            if key == "general.architecture" and kind == 8:
+                return f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8", "replace")
+            _skip_value(f, kind)
+    return "<missing>"
+
+
+def _skip_value(f: Any, kind: int) -> None:
+    """Move past one metadata value of type ``kind``."""
+    if kind == 8:
+        f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+    elif kind == 9:
+        item, n = struct.unpack("<IQ", f.read(12))
+        if item in _SCALAR_BYTES:
+            f.seek(n * _SCALAR_BYTES[item], 1)
+        else:
+            for _ in range(n):
+                _skip_value(f, item)
+    elif kind in _SCALAR_BYTES:
+        f.seek(_SCALAR_BYTES[kind], 1)
+    else:
+        raise InvalidArgumentError("path", getattr(f, "name", "?"), f"a GGUF file (type {kind})")
 
 
 def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
