@@ -15,8 +15,10 @@ median of per-round ratios. KV bytes: ours = bytes the cells in use hold (``held
 storage allocated; transformers' caches = every tensor they hold. ``same`` = greedy tokens
 equal to DynamicCache's, first row, up to that token.
 
-RSS (``--rss``, a worker process per codec at the longest length, batch 1): after the
-prefill the peak RSS is reset (``/proc/self/clear_refs``), then 32 decode tokens; ``growth``
+RSS (a worker process per codec at the longest length, batch 1; ``--rss-only``): after the
+prefill, memory freed is handed back (``malloc_trim``: else the steps would reuse the
+prefill's freed pages unseen) and the peak RSS is reset (``/proc/self/clear_refs``), then 32
+decode tokens; ``growth``
 = that peak - the RSS before them - the growth of the cache's own bytes. The issue's bound:
 < 10 MB for ours under "kvcache" (the sdpa rows show what decoding the history costs).
 
@@ -31,6 +33,7 @@ kivi4 >= 1.5x, turbo4 >= 1.3x, each >= 3x QuantizedCache.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
@@ -202,6 +205,7 @@ def rss_worker(name: str, length: int, hf_dir: Path) -> dict[str, Any]:
     del warm
     c = Contender(name, model, prompts(length, 1), length + RSS_STEPS + 8)
     c._generate(2)  # the first decode steps allocate what every step reuses
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed prefill memory leaves: reuse would hide
     before, held = rss_bytes(), kv_bytes(c.cache)[1]
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
     c._generate(RSS_STEPS)
@@ -270,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=8, help="decode tokens per contender per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS workers")
+    ap.add_argument("--rss-only", action="store_true", help="only the peak-RSS workers")
     ap.add_argument("--name", default="hf_generate", help="result name")
     ap.add_argument("--hf-dir", type=Path, default=DEFAULT_HF_DIR)
     ap.add_argument("--rss-worker", help=argparse.SUPPRESS)
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_checkpoint(args.hf_dir)
     model = load_model(args.hf_dir)
     rows: list[dict[str, Any]] = []
-    for batch in args.batches:
+    for batch in [] if args.rss_only else args.batches:
         for length in args.lengths:
             rows += measure(model, names, length, batch, args)
     columns = ["cache", "attn", "length", "batch", "prefill_tok_s", "decode_tok_s"]
