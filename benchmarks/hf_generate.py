@@ -259,7 +259,7 @@ def draw(rows: list[dict[str, Any]], batches: list[int]) -> Callable[[Any, Any],
             ax.set_title(f"batch {batch}")
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
-        fig.suptitle("SmolLM2-135M, transformers generate: caches side by side (shared machine)")
+        fig.suptitle("SmolLM2-135M generate, caches side by side (shared machine)", fontsize=10)
 
     return inner
 
@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure(model, names, length, batch, args)
     columns = ["cache", "attn", "length", "batch", "prefill_tok_s", "decode_tok_s"]
     columns += ["x_dynamic", "x_quanto", "kv_held_mib", "kv_alloc_mib", "same"]
-    print(table(rows, columns))
+    if rows:
+        print(table(rows, columns))
     rss = []
     if not args.no_rss:
         top = max(args.lengths)
@@ -317,12 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(checks))
     payload = {"step": args.step, "rounds": args.rounds, "rows": rows, "rss": rss, "goals": checks}
     write_json(args.name, payload)
-    plot(
-        args.name,
-        draw(rows, args.batches),
-        figsize=(6.0 * len(args.batches), 4.5),
-        ncols=len(args.batches),
-    )
+    if rows:
+        plot(
+            args.name,
+            draw(rows, args.batches),
+            figsize=(6.0 * len(args.batches), 4.5),
+            ncols=len(args.batches),
+        )
     return 0
 
 
