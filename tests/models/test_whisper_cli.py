@@ -37,8 +37,10 @@ def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_prints_the_transcript(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["transcribe", str(FIXTURES / "library.wav"), "--no-progress"]) == 0
-    assert capsys.readouterr().out.strip() == SENTENCES["library.wav"]
+    # a fixture tiny.en hears word for word (on library.wav it says "book" for "books", as
+    # faster-whisper does on the same model)
+    assert main(["transcribe", str(FIXTURES / "lights.wav"), "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip() == SENTENCES["lights.wav"]
 
 
 def test_prints_timestamped_segments(capsys: pytest.CaptureFixture[str]) -> None:
