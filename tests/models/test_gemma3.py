@@ -75,15 +75,31 @@ def test_past_the_window_equals_transformers(
     gemma3: Gemma3, gemma3_hf: Any, long_prompt: list[int]
 ):
     """1,600 tokens prefilled in chunks of 384 (every chunk after the first sees evicted
-    history), then greedy decoding: logits at positions across all three windows and the
-    greedy tokens equal transformers' (its sliding layers see 512 tokens, the row included)."""
+    history), then 8 greedy steps: the greedy tokens equal transformers', and so do the
+    logits of every decode step on the cache and of the uncached forward at rows across all
+    three windows (transformers' sliding layers see 512 tokens, the row included)."""
+    n, steps = len(long_prompt), 8
+    cache = gemma3.new_cache(n + steps)
+    decoded = []
+    for begin in range(0, n, 384):
+        part = long_prompt[begin : begin + 384]
+        last = [len(part) - 1] if begin + len(part) == n else []
+        out = gemma3.forward(part, Batch.single(0, begin, len(part)), cache, outputs=last)
+    tokens = [int(out[-1].argmax())]
+    decoded.append(out[-1])
+    for i in range(steps - 1):
+        out = gemma3.forward(tokens[-1:], Batch.single(0, n + i, 1), cache)
+        decoded.append(out[-1])
+        tokens.append(int(out[-1].argmax()))
+    cache.close()
+    assert tokens == _hf_greedy(gemma3_hf, long_prompt, steps)
+    seq = long_prompt + tokens[:-1]
     with torch.no_grad():
-        ref = gemma3_hf(torch.tensor([long_prompt])).logits[0]  # [1600, V]
-    rows = [100, 511, 512, 513, 1000, 1024, 1300, 1599]
+        ref = gemma3_hf(torch.tensor([seq])).logits[0]  # [n + steps - 1, V]
+    torch.testing.assert_close(torch.stack(decoded), ref[n - 1 :], atol=2e-3, rtol=1e-4)
+    rows = [100, 511, 512, 513, 1000, 1024, 1300, n - 1]
     ours = gemma3.forward_full(long_prompt, outputs=rows)
     torch.testing.assert_close(ours, ref[rows], atol=2e-3, rtol=1e-4)
-    got = _greedy(gemma3, long_prompt, 8, chunk=384)
-    assert got == _hf_greedy(gemma3_hf, long_prompt, 8)
 
 
 def test_cached_decoding_equals_full_forward_and_local_cells_stay_bounded(
