@@ -456,7 +456,7 @@ class KVCacheForTransformers(Cache):
         """Allocate every layer's cells now, in one go, when the config says all layers share
         this forward's [kv_heads, head_dim]. Allocated layer by layer in the middle of an 8k
         prefill instead, the long-lived buffers interleave with freed activations and glibc
-        cannot return that memory: measured +260 MiB resident at 8k on SmolLM2."""
+        cannot return that memory (figure: docs/design/index.md)."""
         if self._kv_shape != (int(keys.shape[1]), int(keys.shape[3])):
             return
         k, v = _tokens(keys[:1, :, :1]), _tokens(values[:1, :, :1])  # [1, H, D]: shapes only
