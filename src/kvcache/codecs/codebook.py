@@ -12,7 +12,7 @@ coded as the index of its nearest level. Tables of a :class:`Codebook` (``b`` bi
     byte_centroids  float32 [256, 8/b]       centroids of the codes a packed byte holds (b | 8)
 
 Speed: boundaries are rounded to a grid of step 2^-g <= (smallest gap) / 32 so that encoding
-is one table lookup per coordinate instead of ``torch.bucketize`` (5x slower); a boundary
+is one table lookup per coordinate instead of ``torch.bucketize`` (slower: docs/design); a boundary
 moves by <= 1/64 of a gap (MSE within 0.1 % of exact nearest-centroid coding, tested).
 Packed codes are decoded with the per-byte tables: torch's uint8 shifts are not vectorized.
 

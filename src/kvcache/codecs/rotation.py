@@ -12,7 +12,7 @@ all heads).
 Speed: for queries and decoding (:class:`Rotation`) the fast Walsh–Hadamard transform is
 mixed-radix, stages of ``x @ H_r`` on a ``[.., r]`` view with ``r <= 128`` (O(P r log_r P));
 at P <= 128 it is one GEMM with the sign flips folded into the matrix ``diag(signs) H /
-sqrt(P)``, ~20x faster in torch here than 7 radix-2 butterfly passes, which are memory-bound.
+sqrt(P)``, faster in torch than 7 radix-2 butterfly passes, which are memory-bound (docs/design).
 Encoding on the CPU goes through the C++ encoder, which runs the butterflies in registers.
 
 Batch invariance: the encoding path (:class:`RotationStack`) runs the transform as radix-2

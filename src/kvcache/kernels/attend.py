@@ -115,7 +115,7 @@ def turbo_steps(q: torch.Tensor, scale: float, signs: torch.Tensor) -> torch.Ten
 
 def turbo_steps_kernel(q: torch.Tensor, scale: float, signs: torch.Tensor) -> torch.Tensor:
     """:func:`turbo_steps` by the kernel's own rounding (``turbo_steps16``, one call per KV
-    head): the same bits, ~5x faster for a prompt's rows (the torch butterflies are six
+    head): the same bits, faster for a prompt's rows (the torch butterflies are six
     passes of small ops over the whole prompt)."""
     t, hq, d = q.shape
     hkv = signs.shape[0]
