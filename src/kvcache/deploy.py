@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, check: Callable[[], None]) -> None:
+    """Until 127.0.0.1:``port`` accepts a connection; ``check`` raises when waiting is hopeless."""
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            check()
+            time.sleep(0.05)
 
 
 def _tool(name: str) -> str:
@@ -110,13 +122,7 @@ class Deployment:
         command += ["--save", "", "--appendonly", "no", "--dir", str(folder)]
         self._spawn("redis", command)
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                self._check_alive("redis", deadline)
-                time.sleep(0.05)
+        wait_for_port(port, lambda: self._check_alive("redis", deadline))
         self.redis_url = f"redis://127.0.0.1:{port}/0"
 
     def _serve_command(self, i: int) -> list[str]:

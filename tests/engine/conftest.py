@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvcache.deploy import free_port, wait_for_port
 
 
 @pytest.fixture(scope="session")
@@ -42,14 +37,12 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     try:
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert proc.poll() is None, "redis-server exited at start-up"
-                assert time.monotonic() < deadline, "redis-server did not start in 10 s"
-                time.sleep(0.05)
+
+        def check() -> None:
+            assert proc.poll() is None, "redis-server exited at start-up"
+            assert time.monotonic() < deadline, "redis-server did not start in 10 s"
+
+        wait_for_port(port, check)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()

@@ -9,7 +9,6 @@ on the PUB socket and must come back through the replay socket."""
 from __future__ import annotations
 
 import random
-import socket
 import time
 from collections import defaultdict
 
@@ -18,6 +17,7 @@ import pytest
 import zmq
 
 from greedy_reference import random_prompt
+from kvcache.deploy import free_port
 from kvcache.engine import Engine, EngineConfig, RequestParams
 from kvcache.engine.events import ZmqEventPublisher
 from kvcache.engine.store import MemoryStore
@@ -26,12 +26,6 @@ from kvcache.models.llama import Llama
 
 BLOCK = 4
 END = -1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def as_event_hash(block_hash: bytes) -> int:
