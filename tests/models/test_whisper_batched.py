@@ -6,8 +6,6 @@ region in the output, batch 8 equal to batch 1, WER within 0.02 of sequential lo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from whisper_scoring import sentence_recall, wer
+from whisper_scoring import make_clips, sentence_recall, wer
 
 import kvcache
 from kvcache.audio.io import load_audio
@@ -24,7 +22,6 @@ from kvcache.errors import InvalidArgumentError
 from kvcache.transcription import Transcript
 from kvcache.transcription.chunks import Chunk, merge_regions
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_long_clips.py"
 CLIPS = ["long90", "tail_long_silence"]
 RATE = 16000
 BATCHED_VAD = VadOptions(max_speech_duration_s=30.0, min_silence_duration_ms=160)
@@ -97,11 +94,7 @@ def test_bad_regions_are_typed_errors() -> None:
 # ---- on the real model -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("batched-clips")
-    subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), "--clips", *CLIPS], check=True, capture_output=True
-    )
-    return out
+    return make_clips(tmp_path_factory.mktemp("batched-clips"), CLIPS)
 
 
 _done: dict[tuple[str, int | None], Transcript] = {}

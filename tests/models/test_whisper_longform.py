@@ -6,8 +6,6 @@ faster-whisper on the same CTranslate2 model, the same threads and the same sett
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -15,14 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 from whisper_scoring import faster_whisper_model as _fw_model
-from whisper_scoring import faster_whisper_segments, sentence_recall, wer, words
+from whisper_scoring import faster_whisper_segments, make_clips, sentence_recall, wer, words
 
 import kvcache
 from kvcache.audio.io import load_audio
 from kvcache.transcription import Transcript, transcribe_many
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "make_long_clips.py"
 FIXTURES = ROOT / "tests" / "fixtures" / "audio"
 LONG = ["long45", "long90", "long180"]
 # slt40 is the regression clip of the old loop (every window prompted with a bare
@@ -36,9 +33,7 @@ CLIPS = [*LONG, "slt40"]
 @pytest.fixture(scope="session")
 def clips(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The clips, made once per session by the script (the single source of the audio)."""
-    out = tmp_path_factory.mktemp("long-clips")
-    subprocess.run([sys.executable, str(SCRIPT), str(out)], check=True, capture_output=True)
-    return out
+    return make_clips(tmp_path_factory.mktemp("long-clips"))
 
 
 def _meta(clips: Path, name: str) -> dict[str, Any]:
@@ -57,11 +52,7 @@ def faster_whisper_model() -> Any:
 
 
 def test_clips_are_deterministic(clips: Path, tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), "--clips", "long45", "slt40"],
-        check=True,
-        capture_output=True,
-    )
+    make_clips(tmp_path, ["long45", "slt40"])
     for name in ("long45", "slt40"):
         for ext in ("wav", "json"):
             assert (tmp_path / f"{name}.{ext}").read_bytes() == (

@@ -7,8 +7,6 @@ faster-whisper's on the same model, threads and decode."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import pytest
 from whisper_scoring import (
     faster_whisper_model,
     faster_whisper_segments,
+    make_clips,
     sentence_recall,
     words,
 )
@@ -28,7 +27,6 @@ from kvcache.transcription.longform import LongForm
 from kvcache.transcription.options import TranscribeOptions
 from kvcache.transcription.transcriber import bundled
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_long_clips.py"
 TAILS = ["tail_slow", "tail_fast", "tail_late", "tail_long", "tail_long_silence"]
 RATE = 16000
 
@@ -36,11 +34,7 @@ RATE = 16000
 @pytest.fixture(scope="module")
 def tails(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tail clips, synthesized once for this module by the long-clip script."""
-    out = tmp_path_factory.mktemp("tail-clips")
-    subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), "--clips", *TAILS], check=True, capture_output=True
-    )
-    return out
+    return make_clips(tmp_path_factory.mktemp("tail-clips"), TAILS)
 
 
 @pytest.fixture(scope="module")

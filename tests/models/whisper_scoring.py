@@ -1,8 +1,13 @@
 """Scoring Whisper transcripts against the spoken text and against faster-whisper, shared by
-the long-form tests: per-sentence recall on one monotone alignment, WER, the reference model."""
+the long-form tests: the synthesized clips, per-sentence recall on one monotone alignment, WER,
+the reference model."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jiwer
@@ -12,6 +17,17 @@ from whisper_normalizer.english import EnglishTextNormalizer
 from kvcache.weights.ctranslate2 import bundled_whisper_dir
 
 NORM = EnglishTextNormalizer()
+CLIP_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_long_clips.py"
+
+
+def make_clips(out: Path, names: Sequence[str] = ()) -> Path:
+    """Synthesize the clips ``names`` (all when empty) into ``out`` with the long-clip script,
+    the single source of the audio; returns ``out``."""
+    command = [sys.executable, str(CLIP_SCRIPT), str(out)]
+    if names:
+        command += ["--clips", *names]
+    subprocess.run(command, check=True, capture_output=True)
+    return out
 
 
 def words(text: str) -> list[str]:
