@@ -59,10 +59,9 @@ def jobs() -> list[tuple[Path, str]]:
     target that takes another set of its paths than the others listed before it and than this
     machine's own build (which the other tests already compile): two targets that define the
     same macros of those the source tests compile the same code."""
-    folder = Path(build.__file__).resolve().parent / "csrc"
     defined = {m: predefined(m) for m in (build.march(), *TARGETS)}
     out = []
-    for source in (folder / s for s in build.SOURCES):
+    for source in build.all_sources():
         tested = features_tested_by(source)
         if not tested:
             continue

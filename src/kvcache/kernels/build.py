@@ -36,8 +36,10 @@ import torch
 
 from kvcache.errors import NotSupportedError
 
-SOURCES = ("attention.cpp", "dense.cpp", "encode.cpp", "linear.cpp", "readers.cpp", "rows.cpp")
-HEADERS = ("matrows.h", "readers.h", "simd.h", "tiles.h")
+# One extension per unit, a folder of csrc/ each ("" = csrc/ itself): a unit's sources are the
+# .cpp files of its folder, and its build hashes them with every header of csrc/ and of the
+# folder, so a unit rebuilds alone when its own files change and never breaks another's load.
+UNITS = {"attention": "", "weights": "weights"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 
 
@@ -66,6 +68,25 @@ def _source_dir() -> Path:
     return Path(__file__).resolve().parent / "csrc"
 
 
+def unit_sources(unit: str = "attention") -> list[Path]:
+    """The .cpp files of ``unit`` (a key of UNITS)."""
+    if unit not in UNITS:
+        raise NotSupportedError(f"no kernel unit {unit!r}; units: {sorted(UNITS)}")
+    return sorted((_source_dir() / UNITS[unit]).glob("*.cpp"))
+
+
+def all_sources() -> list[Path]:
+    """Every unit's .cpp files."""
+    return [s for unit in UNITS for s in unit_sources(unit)]
+
+
+def _unit_files(unit: str) -> list[Path]:
+    """What a unit's build depends on: its sources, csrc/'s headers and its folder's."""
+    folder = _source_dir() / UNITS[unit]
+    headers = {*_source_dir().glob("*.h"), *folder.glob("*.h")}
+    return unit_sources(unit) + sorted(headers)
+
+
 def _cpu_identity() -> str:
     """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux), else
     what the platform module knows."""
@@ -86,30 +107,32 @@ def _cpu_identity() -> str:
     return "|".join((platform.machine(), platform.processor(), model, flags))
 
 
-def _build_name() -> str:
+def _build_name(unit: str = "attention") -> str:
     h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        h.update((_source_dir() / name).read_bytes())
+    for path in _unit_files(unit):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
     h.update(" ".join(flags()).encode())
     # torch's build.ninja names the sources by absolute path: a folder per checkout, or two
     # checkouts of the same sources would rebuild each other's kernels on every load
     h.update(str(_source_dir()).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_identity().encode())
-    return f"kvcache_kernels_{h.hexdigest()[:12]}"
+    prefix = "kvcache_kernels" if unit == "attention" else f"kvcache_{unit}"
+    return f"{prefix}_{h.hexdigest()[:12]}"
 
 
-def build_dir() -> Path:
+def build_dir(unit: str = "attention") -> Path:
     root = os.environ.get("KVCACHE_KERNEL_DIR") or Path.home() / ".cache" / "kvcache" / "kernels"
-    return Path(root) / _build_name()
+    return Path(root) / _build_name(unit)
 
 
 @functools.cache
-def extension() -> ModuleType:
-    """The compiled kernels (built on first use; NotSupportedError if that fails)."""
+def extension(unit: str = "attention") -> ModuleType:
+    """The compiled kernels of ``unit`` (built on first use; NotSupportedError if that fails)."""
     from torch.utils.cpp_extension import load
 
-    where = build_dir()
+    where = build_dir(unit)
     where.mkdir(parents=True, exist_ok=True)
     if not (where / f"{where.name}.so").exists():  # minutes of silence otherwise
         print(
@@ -125,8 +148,8 @@ def extension() -> ModuleType:
     try:
         with _exclusive(where):
             return load(
-                name=_build_name(),
-                sources=[str(_source_dir() / s) for s in SOURCES],
+                name=where.name,
+                sources=[str(s) for s in unit_sources(unit)],
                 extra_cflags=flags(),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(where),
