@@ -189,7 +189,7 @@ def run_policy(name: str, trace: Trace, logs: Path, probe: bool) -> dict[str, An
         with ThreadPoolExecutor(trace.clients) as pool:
             sessions = list(pool.map(lambda s: run_session(d.url, s, trace), range(trace.sessions)))
         seconds = time.perf_counter() - start
-        probes = timing_probe(d.replica_urls[0], trials=32) if probe else None
+        probes = timing_probe(d.replica_urls[0], trials=128) if probe else None
     turns = [t for s in sessions for t in s]
     ttft = [t["ttft_s"] for t in turns]
     prompt, cached = sum(t["prompt_tokens"] for t in turns), sum(t["cached_tokens"] for t in turns)
@@ -225,23 +225,43 @@ def auc(positives: list[float], negatives: list[float]) -> float:
     return wins / (len(positives) * len(negatives))
 
 
+def auc_interval(
+    positives: list[float], negatives: list[float], rounds: int = 2000
+) -> tuple[float, float]:
+    """95 % bootstrap interval of ``auc``: with a few dozen trials a class, one AUC is
+    +-0.1 of noise, so a goal is read against the interval, not the point alone."""
+    rng = random.Random(11)
+    draws = sorted(
+        auc(rng.choices(positives, k=len(positives)), rng.choices(negatives, k=len(negatives)))
+        for _ in range(rounds)
+    )
+    return draws[int(0.025 * rounds)], draws[int(0.975 * rounds) - 1]
+
+
 def timing_probe(url: str, trials: int) -> dict[str, Any]:
     """A victim's 96-token prompts; the attacker's 64-token guesses, half of them the victim's
-    true first 64 tokens; with and without per-tenant salts."""
+    true first 64 tokens (in a shuffled order, so that no drift of the machine lines up with
+    the classes); with and without per-tenant salts."""
     out: dict[str, Any] = {}
     for mode, (victim, attacker) in {
         "no_salt": (None, None),
         "salted": ("tenant-victim", "tenant-attacker"),
     }.items():
         rng = random.Random(7)
+        classes = [i % 2 == 0 for i in range(trials)]
+        rng.shuffle(classes)
         right, wrong = [], []
-        for i in range(trials):
+        for true_guess in classes:
             secret = [rng.randrange(1000, 40000) for _ in range(96)]
             completion_ttft(url, secret, victim)  # the victim's request: its blocks cached
-            true_guess = i % 2 == 0
             guess = secret[:64] if true_guess else [rng.randrange(1000, 40000) for _ in range(64)]
             (right if true_guess else wrong).append(completion_ttft(url, guess, attacker))
-        out[mode] = {"auc": auc(right, wrong), "true_ttft_s": right, "false_ttft_s": wrong}
+        out[mode] = {
+            "auc": auc(right, wrong),
+            "auc_95": auc_interval(right, wrong),
+            "true_ttft_s": right,
+            "false_ttft_s": wrong,
+        }
     return out
 
 
@@ -312,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, list(rows[0])))
     for r in results:
         if r["probe"]:
-            print({mode: round(p["auc"], 3) for mode, p in r["probe"].items()}, "attacker AUC")
+            for mode, p in r["probe"].items():
+                low, high = p["auc_95"]
+                print(f"attacker AUC {mode}: {p['auc']:.3f} (95 % {low:.3f}-{high:.3f})")
     print(goals)
     write_json(
         args.out,
