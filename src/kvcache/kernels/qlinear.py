@@ -4,19 +4,29 @@ Layout: a weight [N, K] is one or more row ranges (parts), each ``uint8 [rows, K
 nbytes]``: every row is K / values blocks exactly as the file stores them (Q4_K_M files mix
 types within one fused weight: attn_v in Q6_K beside attn_q in Q4_K).
 
-CONTRACT STUB: this reference implementation dequantizes through ``gguf.quants`` on every call
-(correct, slow); the C++ kernels of the ``weights`` unit replace its bodies.
+Decode-sized inputs (at most ``MAX_ROWS`` rows) go to the C++ kernel of the ``weights`` unit
+(``csrc/weights/qlinear.cpp``): the activations are quantized per block to int8 as ggml does
+(q8_0: blocks of 32, q8_K: 256; scale amax / 127), once per format a call needs, and met by
+each weight row's codes in int8 dot products, every weight row read once for all rows. A
+row's output does not depend on the rows beside it. Larger inputs (prompts) dequantize the
+weight a tile of rows at a time into float32 and use torch's GEMM: no float copy of a whole
+weight outlives the call (docs/design/weights.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+
+from kvcache.errors import DimensionMismatchError, InvalidArgumentError
+from kvcache.kernels.build import cpu_float32, extension
+
+MAX_ROWS = 32  # rows up to which the int8 kernel serves a call (kernels.linear's bound)
+TILE = 4096  # weight rows dequantized at a time for prompt-sized inputs
+_EMPTY = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,9 @@ class QuantizedWeight:
     parts: tuple[WeightPart, ...]
     in_features: int
 
+    def __post_init__(self) -> None:
+        check(self)
+
     @property
     def shape(self) -> tuple[int, int]:
         return (sum(p.data.shape[0] for p in self.parts), self.in_features)
@@ -68,19 +81,145 @@ class QuantizedWeight:
         return sum(p.data.numel() for p in self.parts)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [N, K] (gguf's values)."""
-        return torch.cat([_dequantize(p) for p in self.parts])
+        """The float32 weight [N, K] (gguf's values, bit for bit)."""
+        return torch.cat([_dequantize(p, _EMPTY, self.in_features) for p in self.parts])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` dequantized to float32 [len(ids), K] (an embedding lookup)."""
-        return self.dequantize()[ids]
+        """Rows ``ids`` dequantized to float32 [*ids.shape, K] (an embedding lookup): only the
+        rows looked up are decoded."""
+        flat = ids.reshape(-1).long()
+        n = self.shape[0]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+            bad = flat[(flat < 0) | (flat >= n)][0]
+            raise InvalidArgumentError("ids", int(bad), f"row ids in [0, {n})")
+        out = torch.empty(flat.numel(), self.in_features)
+        begin = 0
+        for p in self.parts:
+            end = begin + p.data.shape[0]
+            here = ((flat >= begin) & (flat < end)).nonzero().view(-1)
+            if here.numel():
+                out[here] = _dequantize(p, flat[here] - begin, self.in_features)
+            begin = end
+        return out.view(*ids.shape, self.in_features)
 
 
-def _dequantize(part: WeightPart) -> torch.Tensor:
-    values = dequantize(part.data.numpy(), GGMLQuantizationType(part.kind.ggml))
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+def check(weight: QuantizedWeight) -> None:
+    """Raise a typed error unless every part is ``uint8 [rows, K / values * nbytes]``."""
+    k = weight.in_features
+    if not weight.parts:
+        raise InvalidArgumentError("parts", weight.parts, "at least one WeightPart")
+    for i, p in enumerate(weight.parts):
+        if p.kind.name not in BLOCK_TYPES or BLOCK_TYPES[p.kind.name] != p.kind:
+            raise InvalidArgumentError(f"parts[{i}].kind", p.kind, f"one of {list(BLOCK_TYPES)}")
+        if k <= 0 or k % p.kind.values:
+            raise InvalidArgumentError(
+                "in_features", k, f"a positive multiple of {p.kind.name}'s {p.kind.values} values"
+            )
+        want = k // p.kind.values * p.kind.nbytes
+        d = p.data
+        if d.dtype != torch.uint8 or d.dim() != 2 or d.shape[1] != want or d.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"parts[{i}].data",
+                f"{d.dtype} {list(d.shape)} on {d.device}",
+                f"uint8 [rows, {want}] on the CPU ({p.kind.name}, K = {k})",
+            )
+
+
+def _dequantize(part: WeightPart, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ``ids`` of a part (all where empty) as float32."""
+    return extension("weights").dequantize_rows(part.kind.ggml, part.data.contiguous(), ids, k)
+
+
+def _args(weight: QuantizedWeight) -> tuple[list[int], list[torch.Tensor]]:
+    return [p.kind.ggml for p in weight.parts], [p.data.contiguous() for p in weight.parts]
+
+
+def _check_x(x: torch.Tensor, weight: QuantizedWeight, k: int) -> None:
+    if x.shape[-1] != k:
+        raise DimensionMismatchError(k, x.shape[-1], "x's last dim (the weight's K)")
+
+
+def served(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    """Whether ``linear(x, weight)`` runs the int8 decode-row kernel (float32 CPU rows, at most
+    MAX_ROWS of them, no autograd); anything else dequantizes into torch's GEMM."""
+    k = weight.in_features
+    return cpu_float32(x) and x.shape[-1] == k and 0 < x.numel() // k <= MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x @ W.T`` for x [..., K]."""
-    return F.linear(x, weight.dequantize())
+    _check_x(x, weight, weight.in_features)
+    if served(x, weight):
+        return _kernel(x, weight)
+    return _prefill(x.reshape(-1, weight.in_features), weight, None).view(*x.shape[:-1], -1)
+
+
+def _kernel(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    *,
+    residual: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    glu: bool = False,
+) -> torch.Tensor:
+    """The C++ kernel on inputs ``served`` accepts (with ``glu``, x holds 2K per row)."""
+    k = weight.in_features
+    kinds, parts = _args(weight)
+    r = _EMPTY if residual is None else residual.contiguous()
+    w, eps = (_EMPTY, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
+    rows = x.reshape(-1, 2 * k if glu else k).contiguous()
+    y = extension("weights").qlinear_rows(rows, kinds, parts, r, w, eps, glu)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _prefill(
+    x: torch.Tensor, weight: QuantizedWeight, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T (+ residual)`` for x [T, K] through float32 tiles of W (TILE rows at a time)."""
+    n, k = weight.shape
+    out = torch.empty(x.shape[0], n, dtype=x.dtype) if residual is None else residual.clone()
+    begin = 0
+    for p in weight.parts:
+        rows = p.data.shape[0]
+        for t in range(0, rows, TILE):
+            ids = torch.arange(t, min(t + TILE, rows))
+            w = _dequantize(p, ids, k).to(x.dtype)
+            cols = out[:, begin + t : begin + t + len(ids)]
+            if residual is None:
+                torch.mm(x, w.t(), out=cols) if cols.is_contiguous() else cols.copy_(x @ w.t())
+            else:
+                cols.add_(x @ w.t())
+        begin += rows
+    return out
+
+
+def add_linear(
+    residual: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, *, glu: bool = False
+) -> torch.Tensor:
+    """``residual + x @ W.T`` for ``residual`` [T, N], ``x`` [T, K] (with ``glu``, [T, 2K]:
+    the product is of SwiGLU's ``silu(gate) * up``), one kernel call for decode-sized rows."""
+    from kvcache.kernels.linear import swiglu
+
+    k = weight.in_features
+    _check_x(x[..., : x.shape[-1] // 2] if glu else x, weight, k)
+    if residual.shape != (x.shape[0], weight.shape[0]):
+        raise DimensionMismatchError(
+            (x.shape[0], weight.shape[0]), tuple(residual.shape), "residual shape"
+        )
+    if served(x[:, :k] if glu else x, weight) and cpu_float32(residual):
+        return _kernel(x, weight, residual=residual, glu=glu)
+    return _prefill(swiglu(x) if glu else x, weight, residual)
+
+
+def norm_linear(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: QuantizedWeight
+) -> torch.Tensor:
+    """``linear(rms_norm(x, norm_weight, eps), W)``: one kernel call for decode-sized rows,
+    the bits of the two calls."""
+    from kvcache.kernels.linear import rms_norm
+
+    k = weight.in_features
+    _check_x(x, weight, k)
+    if served(x, weight) and cpu_float32(norm_weight) and norm_weight.shape == (k,):
+        return _kernel(x, weight, norm=(norm_weight, eps))
+    return linear(rms_norm(x, norm_weight, eps), weight)

@@ -1,0 +1,160 @@
+// GGUF weight blocks (ggml's layouts) decoded into one form the dot products and the
+// dequantizer share, so that each block layout is unpacked in one place:
+//
+//   a row of K weights -> q int8 [K]   the integer codes, offsets removed (Q4_0: nibble - 8)
+//                         d  [K / G]   per block of G: the factor of the codes
+//                         dm [K / G]   per block: the factor of the minimums (MIN types)
+//                         sc [K / 16]  per 16 values: an integer scale (K-quants; 1 otherwise)
+//                         mn [K / 32]  per 32 values: an integer minimum (MIN types)
+//
+//   weight = d * sc * q + dm * mn      (G = 32: sc = 1; Q4_1: dm = m, mn = 1;
+//                                       Q4_K: d * sc_j, dm = -dmin, mn = m_j)
+//
+// G is 32 for the q8_0 family (Q4_0, Q4_1, Q5_0, Q8_0) and 256 for the K-quants (Q4_K, Q6_K):
+// their activations are quantized per block of G (ggml's q8_0 and q8_K).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "../simd.h"
+
+namespace kvk {
+
+// ggml's type numbers (GGMLQuantizationType)
+enum BlockKind : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+struct BlockTraits {
+  int values;  // weights per block (G)
+  int nbytes;  // bytes per block
+  bool min;    // has a minimum term (dm * mn)
+};
+
+inline bool known_kind(int kind) {
+  return kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q8_0 || kind == Q4_K ||
+         kind == Q6_K;
+}
+
+inline BlockTraits traits(int kind) {
+  switch (kind) {
+    case Q4_0: return {32, 18, false};
+    case Q4_1: return {32, 20, true};
+    case Q5_0: return {32, 22, false};
+    case Q8_0: return {32, 34, false};
+    case Q4_K: return {256, 144, true};
+    default: return {256, 210, false};  // Q6_K
+  }
+}
+
+// One decoded row (see the top of the file); buffers sized for K values.
+struct Decoded {
+  int8_t* q;
+  float* d;
+  float* dm;
+  int32_t* sc;
+  int32_t* mn;
+};
+
+inline uint16_t load16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// ggml's packing of Q4_K's 6-bit scales and minimums: sub-block j of 8
+inline void q4k_scale_min(const uint8_t* s, int j, int32_t* sc, int32_t* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Decode block b of a row (src: the block's bytes) into o at block b.
+template <int KIND>
+inline void decode_block(const uint8_t* src, int64_t b, const Decoded& o) {
+  if constexpr (KIND == Q4_0 || KIND == Q4_1 || KIND == Q5_0 || KIND == Q8_0) {
+    int8_t* q = o.q + b * 32;
+    o.d[b] = half_to_float(load16(src));
+    if constexpr (KIND == Q8_0) {
+      std::memcpy(q, src + 2, 32);
+    } else if constexpr (KIND == Q5_0) {
+      uint32_t qh;
+      std::memcpy(&qh, src + 2, 4);
+      const uint8_t* qs = src + 6;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+        q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+      }
+    } else {
+      const uint8_t* qs = src + (KIND == Q4_1 ? 4 : 2);
+      const int off = KIND == Q4_1 ? 0 : 8;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (int8_t)((qs[j] & 15) - off);
+        q[j + 16] = (int8_t)((qs[j] >> 4) - off);
+      }
+    }
+    if constexpr (KIND == Q4_1) {
+      o.dm[b] = half_to_float(load16(src + 2));
+      o.mn[b] = 1;
+    }
+  } else if constexpr (KIND == Q4_K) {
+    int8_t* q = o.q + b * 256;
+    o.d[b] = half_to_float(load16(src));
+    o.dm[b] = -half_to_float(load16(src + 2));
+    const uint8_t* s = src + 4;
+    for (int j = 0; j < 8; ++j) {
+      int32_t sc, m;
+      q4k_scale_min(s, j, &sc, &m);
+      o.sc[b * 16 + 2 * j] = o.sc[b * 16 + 2 * j + 1] = sc;
+      o.mn[b * 8 + j] = m;
+    }
+    const uint8_t* qs = src + 16;
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        q[64 * c + l] = (int8_t)(qs[32 * c + l] & 15);
+        q[64 * c + 32 + l] = (int8_t)(qs[32 * c + l] >> 4);
+      }
+  } else {  // Q6_K: ql [128], qh [64], scales int8 [16], d
+    int8_t* q = o.q + b * 256;
+    const uint8_t* ql = src;
+    const uint8_t* qh = src + 128;
+    const int8_t* s = reinterpret_cast<const int8_t*>(src + 192);
+    o.d[b] = half_to_float(load16(src + 208));
+    for (int j = 0; j < 16; ++j) o.sc[b * 16 + j] = s[j];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < 128; ++r) {
+        const int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 15;
+        const int hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+        q[h * 128 + r] = (int8_t)((lo | (hi << 4)) - 32);
+      }
+  }
+}
+
+// Decode a row of K weights (K a multiple of the block's values).
+template <int KIND>
+inline void decode_row_t(const uint8_t* src, int64_t K, const Decoded& o) {
+  constexpr int G = KIND == Q4_K || KIND == Q6_K ? 256 : 32;
+  constexpr int NBYTES = KIND == Q4_0   ? 18
+                         : KIND == Q4_1 ? 20
+                         : KIND == Q5_0 ? 22
+                         : KIND == Q8_0 ? 34
+                         : KIND == Q4_K ? 144
+                                        : 210;
+  for (int64_t b = 0; b < K / G; ++b) decode_block<KIND>(src + b * NBYTES, b, o);
+}
+
+inline void decode_row(int kind, const uint8_t* src, int64_t K, const Decoded& o) {
+  switch (kind) {
+    case Q4_0: return decode_row_t<Q4_0>(src, K, o);
+    case Q4_1: return decode_row_t<Q4_1>(src, K, o);
+    case Q5_0: return decode_row_t<Q5_0>(src, K, o);
+    case Q8_0: return decode_row_t<Q8_0>(src, K, o);
+    case Q4_K: return decode_row_t<Q4_K>(src, K, o);
+    default: return decode_row_t<Q6_K>(src, K, o);
+  }
+}
+
+}  // namespace kvk

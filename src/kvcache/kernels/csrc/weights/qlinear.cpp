@@ -1,0 +1,250 @@
+// Decode-sized linear layers over GGUF weight blocks: y [M, N] = f(x) [M, K] @ W [N, K]^T, few
+// rows (M <= 32 from kernels/qlinear.py), W as stored.
+//
+// As ggml does, the activations are quantized per block (q8_0: 32 values, q8_K: 256) to int8
+// with a float32 scale amax / 127, and each block's product is an integer dot product of the
+// codes (blocks.h's decoded form), scaled in float32:
+//   y[m, n] = sum_b  d_w[b] * d_x[b] * sum_16 sc * (q_w . q_x)  +  dm_w[b] * d_x[b] * sum_32 mn * s_x
+// (s_x: the sum of 32 activation codes). An item is a run of weight rows; each row is decoded
+// once into L1 and met by every input row, so the weights are read once a call. Every output
+// is the same sums in the same order whatever M, the row's place in the batch or the thread
+// count: a row's result does not depend on the rows decoded beside it.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "blocks.h"
+#include "weights.h"
+
+#if KVK_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVK_VNNI 1
+#define KVK_DPBUSD _mm256_dpbusd_epi32
+#elif KVK_AVX2 && defined(__AVXVNNI__)
+#define KVK_VNNI 1
+#define KVK_DPBUSD _mm256_dpbusd_avx_epi32
+#else
+#define KVK_VNNI 0
+#endif
+
+namespace kvk {
+
+std::string weights_isa() { return KVK_VNNI ? "vnni" : KVK_AVX2 ? "avx2" : "none"; }
+
+namespace {
+
+// Activations quantized per block of G: codes [M, K], scales [M, K / G], sums [M, K / 32].
+struct Quantized {
+  at::Tensor q, d, s;
+};
+
+// one row: q = round(x * 127 / amax) (to nearest, ties to even), d = amax / 127 per block
+void quantize_row(const float* x, int64_t K, int G, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < K / G; ++b) {
+    const float* xb = x + b * G;
+    float amax = 0.f;
+    for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    d[b] = amax / 127.f;
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < G; ++i) {
+      const float v = std::nearbyint(xb[i] * id);
+      q[b * G + i] = (int8_t)std::min(127.f, std::max(-127.f, v));
+    }
+  }
+  for (int64_t j = 0; j < K / 32; ++j) {
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) sum += q[j * 32 + i];
+    s[j] = sum;
+  }
+}
+
+Quantized quantize(const float* x, int64_t M, int64_t K, int G) {
+  const auto opts = at::TensorOptions();
+  Quantized a{at::empty({M, K}, opts.dtype(at::kChar)), at::empty({M, K / G}, opts.dtype(at::kFloat)),
+              at::empty({M, K / 32}, opts.dtype(at::kInt))};
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * K, K, G, a.q.data_ptr<int8_t>() + m * K, a.d.data_ptr<float>() + m * (K / G),
+                 a.s.data_ptr<int32_t>() + m * (K / 32));
+  return a;
+}
+
+#if KVK_AVX2
+// q_w . q_x over 32 codes as 8 int32 lanes (lane i: codes 4i..4i+3), exact: |q_w| as unsigned
+// times q_x with q_w's sign (no int16 pair overflows: 2 * 128 * 127 < 2^15)
+inline __m256i dot32(const int8_t* w, const int8_t* x) {
+  const __m256i wv = _mm256_loadu_si256((const __m256i*)w);
+  const __m256i xv = _mm256_loadu_si256((const __m256i*)x);
+  const __m256i u = _mm256_sign_epi8(wv, wv), s = _mm256_sign_epi8(xv, wv);
+#if KVK_VNNI
+  return KVK_DPBUSD(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// the integer sum of block b's code products, times the per-16 scales for G = 256
+template <int G>
+inline int32_t block_dot(const Decoded& w, const int8_t* xq, int64_t b) {
+  const int8_t* wq = w.q + b * G;
+  const int8_t* xb = xq + b * G;
+#if KVK_AVX2
+  __m256i acc = _mm256_setzero_si256();
+  KVK_UNROLL
+  for (int c = 0; c < G / 32; ++c) {
+    const __m256i p = dot32(wq + 32 * c, xb + 32 * c);
+    if constexpr (G == 32) {
+      acc = p;
+    } else {
+      const int32_t* sc = w.sc + b * 16 + 2 * c;
+      acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, _mm256_set_m128i(_mm_set1_epi32(sc[1]),
+                                                                          _mm_set1_epi32(sc[0]))));
+    }
+  }
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
+  return _mm_cvtsi128_si32(h);
+#else
+  int32_t total = 0;
+  for (int c = 0; c < G / 16; ++c) {
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) sum += (int32_t)wq[16 * c + i] * xb[16 * c + i];
+    total += (G == 32 ? 1 : w.sc[b * 16 + c]) * sum;
+  }
+  return total;
+#endif
+}
+
+// y = W's row . x's row (both quantized), K values
+template <int G, bool MIN>
+float dot_row(const Decoded& w, const int8_t* xq, const float* xd, const int32_t* xs,
+              int64_t K) {
+  float acc = 0.f, accm = 0.f;
+  for (int64_t b = 0; b < K / G; ++b) {
+    acc += (w.d[b] * xd[b]) * (float)block_dot<G>(w, xq, b);
+    if constexpr (MIN) {
+      int32_t ms = 0;
+      KVK_UNROLL
+      for (int j = 0; j < G / 32; ++j) ms += w.mn[b * (G / 32) + j] * xs[b * (G / 32) + j];
+      accm += (w.dm[b] * xd[b]) * (float)ms;
+    }
+  }
+  return acc + accm;
+}
+
+template <int G, bool MIN>
+void rows_t(int kind, const uint8_t* data, int64_t rows, int64_t row_bytes, const Quantized& a,
+            int64_t M, int64_t K, float* y, int64_t ldy) {
+  const int8_t* xq = a.q.data_ptr<int8_t>();
+  const float* xd = a.d.data_ptr<float>();
+  const int32_t* xs = a.s.data_ptr<int32_t>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / K);  // ~16 K weights an item
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> q(K);
+    std::vector<float> d(K / 32), dm(K / 32);
+    std::vector<int32_t> sc(K / 16), mn(K / 32);
+    const Decoded w{q.data(), d.data(), dm.data(), sc.data(), mn.data()};
+    for (int64_t n = begin; n < end; ++n) {
+      decode_row(kind, data + n * row_bytes, K, w);
+      for (int64_t m = 0; m < M; ++m)
+        y[m * ldy + n] = dot_row<G, MIN>(w, xq + m * K, xd + m * (K / G), xs + m * (K / 32), K);
+    }
+  });
+}
+
+void part_rows(int kind, const at::Tensor& data, const Quantized& a, int64_t M, int64_t K,
+               float* y, int64_t ldy) {
+  const BlockTraits t = traits(kind);
+  const uint8_t* p = data.data_ptr<uint8_t>();
+  const int64_t rows = data.size(0), rb = data.size(1);
+  if (t.values == 32) {
+    if (t.min) rows_t<32, true>(kind, p, rows, rb, a, M, K, y, ldy);
+    else rows_t<32, false>(kind, p, rows, rb, a, M, K, y, ldy);
+  } else {
+    if (t.min) rows_t<256, true>(kind, p, rows, rb, a, M, K, y, ldy);
+    else rows_t<256, false>(kind, p, rows, rb, a, M, K, y, ldy);
+  }
+}
+
+// RMSNorm of one row, linear.cpp's rms_row formula (the same bits as kernels.linear.rms_norm)
+void rms_row(const float* x, const float* w, int64_t K, float eps, float* y) {
+  const float inv = 1.f / std::sqrt(dot(x, x, (int)K) / (float)K + eps);
+  for (int64_t i = 0; i < K; ++i) y[i] = x[i] * inv * w[i];
+}
+
+}  // namespace
+
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "kvcache qlinear: x float32 [M, K] contiguous expected");
+  TORCH_CHECK(group == 32 || group == 256, "kvcache qlinear: group 32 or 256");
+  TORCH_CHECK(x.size(1) % group == 0, "kvcache qlinear: K not a multiple of ", group);
+  Quantized a = quantize(x.data_ptr<float>(), x.size(0), x.size(1), (int)group);
+  return {a.q, a.d, a.s};
+}
+
+// y [M, N] = f(x) @ W^T (+ residual [M, N]); W: the parts' rows stacked (kinds[i], parts[i]).
+// f: the rows as they are; with `norm` [K] their RMSNorm (eps); with glu, x is [M, 2K] and
+// f(x) = silu(x[:, :K]) * x[:, K:] (the bits of kernels.linear's swiglu).
+at::Tensor qlinear_rows(const at::Tensor& x, const std::vector<int64_t>& kinds,
+                        const std::vector<at::Tensor>& parts, const at::Tensor& residual,
+                        const at::Tensor& norm, double eps, bool glu) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "kvcache qlinear: x float32 [M, K] contiguous expected");
+  TORCH_CHECK(kinds.size() == parts.size() && !parts.empty(),
+              "kvcache qlinear: one kind per part, at least one part");
+  TORCH_CHECK(!(glu && x.size(1) % 2), "kvcache qlinear: glu takes x [M, 2K]");
+  const int64_t M = x.size(0), K = x.size(1) / (glu ? 2 : 1);
+  int64_t N = 0;
+  bool need32 = false, need256 = false;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    check_part(kinds[i], parts[i], K);
+    N += parts[i].size(0);
+    (traits((int)kinds[i]).values == 32 ? need32 : need256) = true;
+  }
+  const bool has_res = residual.numel() > 0, has_norm = norm.numel() > 0;
+  TORCH_CHECK(!(has_norm && glu), "kvcache qlinear: norm or glu, not both");
+  if (has_res)
+    TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
+                    residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N,
+                "kvcache qlinear: residual [M, N] float32, contiguous");
+  if (has_norm)
+    TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.dim() == 1 &&
+                    norm.numel() == K,
+                "kvcache qlinear: norm [K] float32");
+  const float* xp = x.data_ptr<float>();
+  at::Tensor staged;
+  if (has_norm || glu) {
+    staged = at::empty({M, K}, x.options());
+    float* sp = staged.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      if (has_norm) {
+        rms_row(xp + m * K, norm.data_ptr<float>(), K, (float)eps, sp + m * K);
+      } else {  // silu(a) * b, torch's formula a / (1 + exp(-a))
+        const float* r = xp + m * 2 * K;
+        for (int64_t i = 0; i < K; ++i) sp[m * K + i] = r[i] / (1.f + std::exp(-r[i])) * r[K + i];
+      }
+    }
+    xp = sp;
+  }
+  Quantized a32, a256;
+  if (need32) a32 = quantize(xp, M, K, 32);
+  if (need256) a256 = quantize(xp, M, K, 256);
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  int64_t n0 = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int kind = (int)kinds[i];
+    part_rows(kind, parts[i], traits(kind).values == 32 ? a32 : a256, M, K, yp + n0, N);
+    n0 += parts[i].size(0);
+  }
+  if (has_res) {  // residual + product, as torch adds them
+    const float* rp = residual.data_ptr<float>();
+    for (int64_t i = 0; i < M * N; ++i) yp[i] = rp[i] + yp[i];
+  }
+  return y;
+}
+
+}  // namespace kvk
