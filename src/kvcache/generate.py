@@ -30,7 +30,7 @@ from kvcache.engine.scheduler import Engine, Prompt
 from kvcache.engine.session import restore_session, session_snapshot
 from kvcache.engine.stats import EngineStats
 from kvcache.errors import InvalidArgumentError, NotSupportedError
-from kvcache.models.llama import Llama
+from kvcache.models.llama import Llama, WeightKind, WeightReader
 from kvcache.models.sampling import SamplingParams, sample
 from kvcache.protocol import Cache
 from kvcache.snapshot import Snapshot
@@ -317,20 +317,20 @@ def stream_tokens(
             on_forward(batch)
 
 
-def _load_llama(gguf: GGUFFile, dtype: torch.dtype) -> Any:
+def _load_llama(gguf: GGUFFile, dtype: torch.dtype, weights: WeightKind) -> Any:
     from kvcache.models.llama import Llama
 
-    return Llama.from_gguf(gguf, dtype=dtype)
+    return Llama.from_gguf(gguf, dtype=dtype, weights=weights)
 
 
-def _load_gemma3(gguf: GGUFFile, dtype: torch.dtype) -> Any:
+def _load_gemma3(gguf: GGUFFile, dtype: torch.dtype, weights: WeightKind) -> Any:
     from kvcache.models.gemma3 import Gemma3
 
-    return Gemma3.from_gguf(gguf, dtype=dtype)
+    return Gemma3.from_gguf(gguf, dtype=dtype, weights=weights)
 
 
 # general.architecture -> the loader of its model
-MODELS: dict[str, Callable[[GGUFFile, torch.dtype], Any]] = {
+MODELS: dict[str, Callable[[GGUFFile, torch.dtype, WeightKind], Any]] = {
     "llama": _load_llama,
     "gemma3": _load_gemma3,
 }
@@ -340,12 +340,15 @@ def load_model(
     spec: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     *,
+    weights: WeightKind = "native",
     before_weights: Callable[[str], None] | None = None,
 ) -> tuple[Any, Tokenizer]:
     """Model and tokenizer from one read of a GGUF: ``spec`` is a file or a bundled name
-    (``smollm2``, the default, or ``gemma3``); the architecture comes from the file.
+    (``smollm2``, the default, or ``gemma3``); the architecture comes from the file;
+    ``weights`` the kind (``native`` blocks as stored, ``fp32``, ``bf16``; see ``from_gguf``).
     ``before_weights(arch)`` runs once the architecture is known, before the weights load
     (a caller's check of options against the model)."""
+    WeightReader.of(weights, dtype)  # a bad kind fails before the file is read
     path = resolve_model(spec)
     arch = peek_architecture(path)
     if arch not in MODELS:
@@ -358,4 +361,4 @@ def load_model(
     with GGUFFile(path) as gguf:
         tokenizer = Tokenizer.from_gguf(gguf)
         gguf.release("tokenizer.")  # the parsed vocabulary, gone before the weights arrive
-        return MODELS[arch](gguf, dtype), tokenizer
+        return MODELS[arch](gguf, dtype, weights), tokenizer

@@ -100,7 +100,7 @@ def smollm2() -> tuple[Llama, Tokenizer]:
     with GGUFFile(smollm2_path()) as gguf:
         tokenizer = Tokenizer.from_gguf(gguf)
         gguf.release("tokenizer.")
-        return Llama.from_gguf(gguf), tokenizer
+        return Llama.from_gguf(gguf, weights="fp32"), tokenizer
 
 
 def new_engine(model: Any, tokenizer: Tokenizer) -> Engine:

@@ -43,7 +43,7 @@ def smollm2_file() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_file: Path) -> Llama:
     """SmolLM2-135M-Instruct in float32, dequantized from its GGUF once per session."""
-    return Llama.from_gguf(smollm2_file, dtype=torch.float32)
+    return Llama.from_gguf(smollm2_file, dtype=torch.float32, weights="fp32")
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +101,7 @@ def gemma3(gemma3_file: Path) -> Any:
     """Gemma 3 270M in float32, dequantized from its GGUF once per session."""
     from kvcache.models.gemma3 import Gemma3
 
-    return Gemma3.from_gguf(gemma3_file, dtype=torch.float32)
+    return Gemma3.from_gguf(gemma3_file, dtype=torch.float32, weights="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,7 @@ WRITER = textwrap.dedent(
     from kvcache import Batch
     from kvcache.models.llama import Llama
     ids, codec, prompt, decoded, path, out = json.loads(sys.argv[1])
-    model = Llama.from_gguf()
+    model = Llama.from_gguf(weights="fp32")
     cache = model.new_cache(1024, max_sequences=4, codec=codec)
     model.forward(ids[:prompt], Batch.single(0, 0, prompt), cache, outputs=[prompt - 1])
     for i in range(prompt, prompt + decoded):

@@ -8,12 +8,18 @@ import resource
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvcache.commands.options import add_kv_codec, add_press, check_kv_codec, check_press
+from kvcache.commands.options import (
+    add_kv_codec,
+    add_press,
+    add_weights,
+    check_kv_codec,
+    check_press,
+    weights_kind,
+)
 
 if TYPE_CHECKING:
-    import torch
-
     from kvcache.generate import GenerationConfig, Generator
+    from kvcache.models.llama import WeightKind
     from kvcache.text.tokenizer import Tokenizer
 
 EPILOG = """\
@@ -79,9 +85,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="a GGUF file (architecture llama or gemma3) or a bundled model: smollm2 "
         "(default), gemma3",
     )
-    parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
-    )
+    add_weights(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument(
         "--session",
@@ -131,7 +135,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         config = _config(args)  # bad options fail before the weights load
-        model, tokenizer = _load(args, getattr(torch, args.dtype))
+        model, tokenizer = _load(args, weights_kind(args))
         ids = tokenizer.encode(_prompt_text(args, tokenizer))
         capacity = args.capacity
         if capacity is None:
@@ -219,12 +223,13 @@ def _config(args: argparse.Namespace) -> GenerationConfig:
     )
 
 
-def _load(args: argparse.Namespace, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
-    """Tokenizer then weights from one read of the GGUF; options the file's model cannot
-    honour fail before its weights load."""
+def _load(args: argparse.Namespace, weights: WeightKind) -> tuple[Any, Tokenizer]:
+    """Tokenizer then weights (of kind ``weights``) from one read of the GGUF; options the
+    file's model cannot honour fail before its weights load."""
     from kvcache.generate import load_model
 
-    return load_model(args.model, dtype, before_weights=lambda arch: _check_for(arch, args))
+    check = lambda arch: _check_for(arch, args)  # noqa: E731
+    return load_model(args.model, weights=weights, before_weights=check)
 
 
 # options the wrapper-cache path (gemma3) does not serve yet -> the value that means "off"

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from kvcache.models.llama import WeightKind
 
 
 def add_kv_codec(parser: argparse.ArgumentParser) -> None:
@@ -65,3 +69,31 @@ def check_kv_codec(spec: str | None) -> None:
     if spec is not None:
         make_codec(spec, "key")
         make_codec(spec, "value")
+
+
+WEIGHTS_HELP = (
+    "how the GGUF's weights are held: native = its quantized blocks as stored (~1/5 of "
+    "fp32's memory and bytes read a token), fp32 = dequantized to float32 (the reference "
+    "path), bf16 = dequantized to bfloat16 (default native)"
+)
+_DTYPE_WEIGHTS = {"float32": "fp32", "bfloat16": "bf16"}  # the older --dtype's values
+
+
+def add_weights(parser: argparse.ArgumentParser) -> None:
+    """``--weights native|fp32|bf16`` (and the older ``--dtype``, now a hidden alias)."""
+    parser.add_argument(
+        "--weights", choices=("native", "fp32", "bf16"), default=None, help=WEIGHTS_HELP
+    )
+    parser.add_argument("--dtype", choices=tuple(_DTYPE_WEIGHTS), help=argparse.SUPPRESS)
+
+
+def weights_kind(args: argparse.Namespace) -> WeightKind:
+    """The weight kind the options ask for (InvalidArgumentError if --dtype contradicts it)."""
+    from kvcache.errors import InvalidArgumentError
+
+    if args.dtype is None:
+        return cast("WeightKind", "native" if args.weights is None else args.weights)
+    kind = _DTYPE_WEIGHTS[args.dtype]
+    if args.weights not in (None, kind):
+        raise InvalidArgumentError("--dtype", args.dtype, f"--weights {kind} (or no --dtype)")
+    return cast("WeightKind", kind)

@@ -10,16 +10,21 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcache.commands.options import add_kv_codec, add_press, check_kv_codec, check_press
+from kvcache.commands.options import (
+    add_kv_codec,
+    add_press,
+    add_weights,
+    check_kv_codec,
+    check_press,
+    weights_kind,
+)
 
 if TYPE_CHECKING:
-    import torch
-
     from kvcache.engine.events import KVEvents
     from kvcache.engine.params import EngineConfig
     from kvcache.engine.scheduler import Engine
     from kvcache.engine.store import BlockStore
-    from kvcache.models.llama import Llama
+    from kvcache.models.llama import Llama, WeightKind
     from kvcache.text.tokenizer import Tokenizer
 
 EPILOG = """\
@@ -94,9 +99,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="where a preempted request's K/V waits: memory | disk:PATH | off (recompute it "
         "when it resumes) (default memory)",
     )
-    parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)"
-    )
+    add_weights(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument(
         "--kv-events",
@@ -126,7 +129,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def model_identity(path: Path, dtype: str) -> str:
-    """Names the K/V a model computes: same file (name, size, first MiB) and same dtype.
+    """Names the K/V a model computes: same file (name, size, first MiB) and same weight
+    kind or dtype (``native``, ``fp32``, ``bf16``).
 
     Hashing the head, not the whole file, keeps start-up fast; with the size and name it
     tells apart every model and quantization one would serve side by side.
@@ -151,14 +155,15 @@ def run(args: argparse.Namespace) -> int:
         config = _engine_config(args)  # bad options fail before the weights load
         store = None if args.no_prefix_cache else _open_store(args.prefix_store)
         path = _model_path(args.model)
-        model, tokenizer = _load(path, getattr(torch, args.dtype))
+        weights = weights_kind(args)
+        model, tokenizer = _load(path, weights)
         _check_context(config, model)
     except KVCacheError as exc:
         print(f"kvcache serve: error: {exc}", file=sys.stderr)
         return 2
     from kvcache.engine.scheduler import Engine
 
-    identity = model_identity(path, args.dtype)
+    identity = model_identity(path, weights)
     engine = Engine(model, tokenizer, config, model_id=identity, store=store)
     try:
         events = _publish_events(engine, args)
@@ -257,8 +262,8 @@ def _model_path(model: str | None) -> Path:
     return path
 
 
-def _load(path: Path, dtype: torch.dtype) -> tuple[Llama, Tokenizer]:
-    """Tokenizer then weights from one read of the GGUF."""
+def _load(path: Path, weights: WeightKind) -> tuple[Llama, Tokenizer]:
+    """Tokenizer then weights (of kind ``weights``) from one read of the GGUF."""
     from kvcache.models.llama import Llama
     from kvcache.text.tokenizer import Tokenizer
     from kvcache.weights.gguf import GGUFFile
@@ -266,7 +271,7 @@ def _load(path: Path, dtype: torch.dtype) -> tuple[Llama, Tokenizer]:
     with GGUFFile(path) as gguf:
         tokenizer = Tokenizer.from_gguf(gguf)
         gguf.release("tokenizer.")  # the parsed vocabulary, gone before the weights
-        return Llama.from_gguf(gguf, dtype=dtype), tokenizer
+        return Llama.from_gguf(gguf, weights=weights), tokenizer
 
 
 def _check_context(config: EngineConfig, model: Llama) -> None:
@@ -314,7 +319,7 @@ def _serve(
             "replay_endpoint": args.kv_events_replay,
             "topic": args.kv_events_topic,
         }
-    tokenizer_file = _tokenizer_file(tokenizer, model_identity(path, args.dtype))
+    tokenizer_file = _tokenizer_file(tokenizer, model_identity(path, weights_kind(args)))
     info = {
         # SGLang's model_path is a folder a router can load a tokenizer from: the
         # tokenizer's own (the weights are a GGUF file, under weights_path)

@@ -17,6 +17,9 @@ Hkv) D]``, attention a cache operation). What Gemma adds:
 
       layer   0  1  2  3  4  5  6 ... 11 ... 17
       type    S  S  S  S  S  G  S ...  G ...  G      S -> caches[0], G -> caches[1]
+
+Weights of the three kinds of :mod:`kvcache.models.llama` (``native``: the blocks as stored;
+Q4_K_M mixes block types within a fused matrix, which become its parts).
 """
 
 from __future__ import annotations
@@ -32,13 +35,27 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
-from kvcache.kernels.linear import linear, norm_linear, rms_norm
+from kvcache.kernels.linear import rms_norm
+from kvcache.kernels.qlinear import QuantizedWeight
 from kvcache.kernels.reference import grouped_attention
-from kvcache.models.llama import check_dtype, fingerprint, output_rows, token_ids
+from kvcache.models.llama import (
+    WeightKind,
+    WeightReader,
+    any_linear,
+    any_norm_linear,
+    dense,
+    embed_rows,
+    fingerprint,
+    head_rows,
+    held_bytes,
+    output_rows,
+    token_ids,
+    weights_dtype,
+)
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
 from kvcache.weights.bundled import gemma3_path
-from kvcache.weights.gguf import GGUFFile
+from kvcache.weights.gguf import GGUFFile, Weight, stack_rows
 from kvcache.wrapper import WrapperCache
 
 SLIDING, GLOBAL = 0, 1  # layer types: the WrapperCache's index of each layer's cache
@@ -136,14 +153,14 @@ class Gemma3Layer:
     """Weights of one block ([out, in] like ``nn.Linear``; norms already ``1 + w``)."""
 
     attn_norm: torch.Tensor  # [E]
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, E]
+    wqkv: Weight  # [(Hq + 2 Hkv) D, E]
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor  # [D]
-    wo: torch.Tensor  # [E, Hq D]
+    wo: Weight  # [E, Hq D]
     post_attn_norm: torch.Tensor  # [E]
     mlp_norm: torch.Tensor  # [E]
-    w_gate_up: torch.Tensor  # [2 F, E]
-    w_down: torch.Tensor  # [E, F]
+    w_gate_up: Weight  # [2 F, E]
+    w_down: Weight  # [E, F]
     post_mlp_norm: torch.Tensor  # [E]
 
 
@@ -151,7 +168,7 @@ class Gemma3Layer:
 class Gemma3Weights:
     """All weights; the LM head is the (unscaled) embedding."""
 
-    embed: torch.Tensor  # [V, E]
+    embed: Weight  # [V, E]
     layers: list[Gemma3Layer]
     norm: torch.Tensor  # [E]
 
@@ -162,7 +179,7 @@ class Gemma3:
     def __init__(self, config: Gemma3Config, weights: Gemma3Weights) -> None:
         self.config = config
         self.weights = weights
-        self.dtype = weights.embed.dtype
+        self.dtype = weights_dtype(weights.embed)
         self.ropes = {
             SLIDING: Rope(config.head_dim, config.rope_local_theta),
             GLOBAL: Rope(config.head_dim, config.rope_theta),
@@ -177,39 +194,64 @@ class Gemma3:
         """Which model made a cache's K/V (snapshots refuse another's)."""
         if self._model_id is None:
             w = self.weights
-            samples = [w.embed[:4], w.embed[-4:], w.norm]
+            samples = [head_rows(w.embed, 4), head_rows(w.embed, -4), w.norm]
             for layer in (w.layers[0], w.layers[-1]):
-                samples += [layer.wqkv[:2], layer.wo[:2], layer.w_down[:2], layer.q_norm]
-            self._model_id = fingerprint(self.source, self.dtype, asdict(self.config), samples)
+                samples += [head_rows(layer.wqkv, 2), head_rows(layer.wo, 2)]
+                samples += [head_rows(layer.w_down, 2), layer.q_norm]
+            self._model_id = fingerprint(
+                self.source, self.dtype, asdict(self.config), samples, native=self.native
+            )
         return self._model_id
+
+    @property
+    def native(self) -> bool:
+        """Whether the matrices are GGUF blocks as stored (``weights="native"``)."""
+        return isinstance(self.weights.embed, QuantizedWeight)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold (the tied LM head is the embedding)."""
+        w = self.weights
+        every: list[Weight] = [w.embed, w.norm]
+        for layer in w.layers:
+            every += [layer.attn_norm, layer.wqkv, layer.q_norm, layer.k_norm, layer.wo]
+            every += [layer.post_attn_norm, layer.mlp_norm, layer.w_gate_up, layer.w_down]
+            every.append(layer.post_mlp_norm)
+        return held_bytes(every)
 
     def output_projections(self) -> list[tuple[torch.Tensor, int]]:
         """Each layer's attention output projection Wo [E, Hq * D] and the head size D."""
-        return [(layer.wo, self.config.head_dim) for layer in self.weights.layers]
+        return [(dense(layer.wo), self.config.head_dim) for layer in self.weights.layers]
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
     def from_gguf(
-        cls, path: str | Path | GGUFFile | None = None, dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path | GGUFFile | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        weights: WeightKind = "native",
     ) -> Gemma3:
-        """Load a Gemma 3 GGUF (None = the bundled Gemma 3 270M), dequantized to ``dtype``."""
-        check_dtype(dtype)
+        """Load a Gemma 3 GGUF (None = the bundled Gemma 3 270M): blocks as stored
+        (``native``), dequantized to ``dtype`` (``fp32``) or to bfloat16 (``bf16``)."""
+        reader = WeightReader.of(weights, dtype)
         if isinstance(path, GGUFFile):
-            return cls._load(path, dtype)
+            return cls._load(path, reader)
         with GGUFFile(gemma3_path() if path is None else path) as gguf:
             gguf.release("tokenizer.")
-            return cls._load(gguf, dtype)
+            return cls._load(gguf, reader)
 
     @classmethod
-    def _load(cls, gguf: GGUFFile, dtype: torch.dtype) -> Gemma3:
+    def _load(cls, gguf: GGUFFile, reader: WeightReader) -> Gemma3:
         gguf.require_architecture("gemma3")
         if gguf.has_tensor("output.weight"):
             raise NotSupportedError(f"{gguf.path.name}: an untied output.weight is not supported")
         # the embedding first: its dequantization peaks while little else is resident
-        embed = gguf.tensor("token_embd.weight", dtype)
+        embed = reader.matrix(gguf, "token_embd.weight")
         config = Gemma3Config.from_gguf(gguf, vocab_size=embed.shape[0])
-        layers = [_load_layer(gguf, i, dtype) for i in range(config.num_layers)]
-        model = cls(config, Gemma3Weights(embed, layers, gguf.tensor("output_norm.weight", dtype)))
+        layers = [_load_layer(gguf, i, reader) for i in range(config.num_layers)]
+        norm = reader.vector(gguf, "output_norm.weight")
+        model = cls(config, Gemma3Weights(embed, layers, norm))
         model.source = gguf.path.name
         return model
 
@@ -310,7 +352,7 @@ class Gemma3:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings scaled by sqrt(E) (rounded to the weights' dtype first, as Gemma does)."""
         scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=self.dtype)
-        return F.embedding(ids, self.weights.embed) * scale
+        return embed_rows(self.weights.embed, ids) * scale
 
     def _qkv(
         self, layer: Gemma3Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -318,7 +360,7 @@ class Gemma3:
         """q ``[T, Hq, D]``, k, v ``[T, Hkv, D]`` of the residual ``x``: q and k per-head
         normed then rotated."""
         c = self.config
-        qkv = norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
+        qkv = any_norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
         t, d = qkv.shape[0], c.head_dim
         nq, nk = c.num_heads * d, c.num_kv_heads * d
         q = rms_norm(qkv[:, :nq].reshape(t, c.num_heads, d), layer.q_norm, c.rms_eps)
@@ -345,16 +387,16 @@ class Gemma3:
     ) -> torch.Tensor:
         """Output projection, post-attention norm and residual, then the normed MLP branch."""
         c = self.config
-        attn = linear(out.reshape(x.shape[0], -1), layer.wo)  # [T, E]
+        attn = any_linear(out.reshape(x.shape[0], -1), layer.wo)  # [T, E]
         x = x + rms_norm(attn, layer.post_attn_norm, c.rms_eps)
-        gate_up = norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
+        gate_up = any_norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
         f = c.intermediate_size
         hidden = F.gelu(gate_up[:, :f], approximate="tanh").mul_(gate_up[:, f:])  # [T, F]
-        return x + rms_norm(linear(hidden, layer.w_down), layer.post_mlp_norm, c.rms_eps)
+        return x + rms_norm(any_linear(hidden, layer.w_down), layer.post_mlp_norm, c.rms_eps)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the tied LM head: logits ``[T, V]``."""
-        return norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.embed)
+        return any_norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.embed)
 
     def _check_shapes(self) -> None:
         c, w = self.config, self.weights
@@ -378,23 +420,26 @@ class Gemma3:
             raise DimensionMismatchError(c.num_layers, len(w.layers), "number of layers")
 
 
-def _load_layer(gguf: GGUFFile, i: int, dtype: torch.dtype) -> Gemma3Layer:
-    """Block ``i`` from ``blk.{i}.*``: Q/K/V and gate/up concatenated. Gemma's RoPE rotates
+def _load_layer(gguf: GGUFFile, i: int, reader: WeightReader) -> Gemma3Layer:
+    """Block ``i`` from ``blk.{i}.*``: Q/K/V and gate/up fused by rows. Gemma's RoPE rotates
     halves in llama.cpp too (NEOX), so its Q/K rows are stored unpermuted."""
     p = f"blk.{i}."
 
     def get(name: str) -> torch.Tensor:
-        return gguf.tensor(p + name + ".weight", dtype)
+        return reader.vector(gguf, p + name + ".weight")
+
+    def matrix(name: str) -> Weight:
+        return reader.matrix(gguf, p + name + ".weight")
 
     return Gemma3Layer(
         attn_norm=get("attn_norm"),
-        wqkv=torch.cat((get("attn_q"), get("attn_k"), get("attn_v"))),
+        wqkv=stack_rows([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")]),
         q_norm=get("attn_q_norm"),
         k_norm=get("attn_k_norm"),
-        wo=get("attn_output"),
+        wo=matrix("attn_output"),
         post_attn_norm=get("post_attention_norm"),
         mlp_norm=get("ffn_norm"),
-        w_gate_up=torch.cat((get("ffn_gate"), get("ffn_up"))),
-        w_down=get("ffn_down"),
+        w_gate_up=stack_rows([matrix("ffn_gate"), matrix("ffn_up")]),
+        w_down=matrix("ffn_down"),
         post_mlp_norm=get("post_ffw_norm"),
     )

@@ -8,6 +8,11 @@ keys before RoPE: it takes k as it is, ``keys_rotated=False``); then attention i
 operation: ``cache.attention(layer, q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]`` stores
 k, v and attends each row to its own sequence's cells (``kvcache.kernels``). Query head ``h``
 reads KV head ``h // G`` (HuggingFace's ``repeat_kv`` order, ``G = Hq / Hkv``).
+
+Weights come in three kinds (``from_gguf(weights=...)``): ``native``, the GGUF's blocks as
+stored (a :class:`~kvcache.kernels.qlinear.QuantizedWeight` per matrix, fused matrices as its
+parts, norms float32, activations float32); ``fp32``, every tensor dequantized to ``dtype``
+(the reference of the equality tests); ``bf16``, dequantized to bfloat16.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +30,17 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
+from kvcache.kernels import qlinear
 from kvcache.kernels.linear import add_linear, linear, norm_linear, rms_norm, swiglu
+from kvcache.kernels.qlinear import QuantizedWeight
 from kvcache.kernels.reference import grouped_attention
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
-from kvcache.weights.gguf import GGUFFile, smollm2_path, unpermute_rope_rows
+from kvcache.weights.gguf import GGUFFile, Weight, smollm2_path, stack_rows, unpermute_rope_rows
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+WeightKind = Literal["native", "fp32", "bf16"]
+WEIGHT_KINDS: tuple[WeightKind, ...] = ("native", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -98,21 +108,21 @@ class LlamaLayer:
     """Weights of one decoder block, projections fused ([out, in] like ``nn.Linear``)."""
 
     attn_norm: torch.Tensor  # [E]
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, E]
-    wo: torch.Tensor  # [E, Hq D]
+    wqkv: Weight  # [(Hq + 2 Hkv) D, E]
+    wo: Weight  # [E, Hq D]
     mlp_norm: torch.Tensor  # [E]
-    w_gate_up: torch.Tensor  # [2 F, E]
-    w_down: torch.Tensor  # [E, F]
+    w_gate_up: Weight  # [2 F, E]
+    w_down: Weight  # [E, F]
 
 
 @dataclass
 class LlamaWeights:
-    """All weights; ``lm_head`` is the embedding tensor itself when they are tied."""
+    """All weights; ``lm_head`` is the embedding weight itself when they are tied."""
 
-    embed: torch.Tensor  # [V, E]
+    embed: Weight  # [V, E]
     layers: list[LlamaLayer]
     norm: torch.Tensor  # [E]
-    lm_head: torch.Tensor  # [V, E]
+    lm_head: Weight  # [V, E]
 
 
 class Llama:
@@ -121,7 +131,7 @@ class Llama:
     def __init__(self, config: LlamaConfig, weights: LlamaWeights) -> None:
         self.config = config
         self.weights = weights
-        self.dtype = weights.embed.dtype
+        self.dtype = weights_dtype(weights.embed)
         self.rope = Rope(config.head_dim, config.rope_theta)
         self.source = "random"  # where the weights came from (from_gguf: the file's name)
         self._model_id: str | None = None
@@ -130,41 +140,65 @@ class Llama:
     def output_projections(self) -> list[tuple[torch.Tensor, int]]:
         """Each layer's attention output projection Wo [E, Hq * D] and the head size D
         (what a press that weighs cells by their effect on the output reads)."""
-        return [(layer.wo, self.config.head_dim) for layer in self.weights.layers]
+        return [(dense(layer.wo), self.config.head_dim) for layer in self.weights.layers]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold (the tied LM head once)."""
+        w = self.weights
+        every = [w.embed, w.lm_head, w.norm]
+        for layer in w.layers:
+            every += [layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm]
+            every += [layer.w_gate_up, layer.w_down]
+        return held_bytes(every)
 
     @property
     def model_id(self) -> str:
         """Which model made a cache's K/V (snapshots refuse another's): the weights' source,
-        dtype and a SHA-256 of the config and samples of the weights (taken on first use)."""
+        dtype, kind and a SHA-256 of the config and samples of the weights (taken on first use)."""
         if self._model_id is None:
             w = self.weights
-            samples = [w.embed[:4], w.norm, w.lm_head[-4:]]
+            samples = [head_rows(w.embed, 4), w.norm, head_rows(w.lm_head, -4)]
             for layer in (w.layers[0], w.layers[-1]):
-                samples += [layer.wqkv[:2], layer.wo[:2], layer.w_down[:2], layer.attn_norm]
-            self._model_id = fingerprint(self.source, self.dtype, asdict(self.config), samples)
+                samples += [head_rows(layer.wqkv, 2), head_rows(layer.wo, 2)]
+                samples += [head_rows(layer.w_down, 2), layer.attn_norm]
+            self._model_id = fingerprint(
+                self.source, self.dtype, asdict(self.config), samples, native=self.native
+            )
         return self._model_id
+
+    @property
+    def native(self) -> bool:
+        """Whether the matrices are GGUF blocks as stored (``weights="native"``)."""
+        return isinstance(self.weights.embed, QuantizedWeight)
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
     def from_gguf(
-        cls, path: str | Path | GGUFFile | None = None, dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path | GGUFFile | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        weights: WeightKind = "native",
     ) -> Llama:
-        """Load a Llama GGUF (None = the bundled SmolLM2-135M-Instruct), dequantized to ``dtype``."""
-        check_dtype(dtype)
+        """Load a Llama GGUF (None = the bundled SmolLM2-135M-Instruct): its blocks as stored
+        (``native``), or dequantized to ``dtype`` (``fp32``; float64 for references) or to
+        bfloat16 (``bf16``)."""
+        reader = WeightReader.of(weights, dtype)
         if isinstance(path, GGUFFile):
-            return cls._load(path, dtype)
+            return cls._load(path, reader)
         with GGUFFile(smollm2_path() if path is None else path) as gguf:
             gguf.release("tokenizer.")  # not ours to read: free it before the weights arrive
-            return cls._load(gguf, dtype)
+            return cls._load(gguf, reader)
 
     @classmethod
-    def _load(cls, gguf: GGUFFile, dtype: torch.dtype) -> Llama:
+    def _load(cls, gguf: GGUFFile, reader: WeightReader) -> Llama:
         config = LlamaConfig.from_gguf(gguf)
         # the embedding first: its dequantization peaks while little else is resident
-        embed = gguf.tensor("token_embd.weight", dtype)
-        layers = [_load_layer(gguf, config, i, dtype) for i in range(config.num_layers)]
-        lm_head = embed if config.tie_embeddings else gguf.tensor("output.weight", dtype)
-        norm = gguf.tensor("output_norm.weight", dtype)
+        embed = reader.matrix(gguf, "token_embd.weight")
+        layers = [_load_layer(gguf, config, i, reader) for i in range(config.num_layers)]
+        lm_head = embed if config.tie_embeddings else reader.matrix(gguf, "output.weight")
+        norm = reader.vector(gguf, "output_norm.weight")
         model = cls(config, LlamaWeights(embed, layers, norm, lm_head))
         model.source = gguf.path.name
         return model
@@ -248,7 +282,7 @@ class Llama:
             cache.start_forward(batch)
             positions = torch.tensor(batch.positions, dtype=torch.int64)  # [T]
             cos, sin = self.rope.tables(positions, self.dtype)  # [T, 1, D] each
-            x = F.embedding(ids, self.weights.embed)  # x: [T, E]
+            x = embed_rows(self.weights.embed, ids)  # x: [T, E]
             for i, layer in enumerate(self.weights.layers):
                 x = self._block(i, layer, x, cos, sin, cache)
             if rows is not None:
@@ -278,12 +312,12 @@ class Llama:
             causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
             if window is not None:
                 causal &= torch.ones(t, t, dtype=torch.bool).triu(-window)
-            x = F.embedding(ids, self.weights.embed)  # x: [T, E]
+            x = embed_rows(self.weights.embed, ids)  # x: [T, E]
             for layer in self.weights.layers:
                 q, k, v = self._qkv(layer, rms_norm(x, layer.attn_norm, c.rms_eps), cos, sin)
                 out = grouped_attention(q, k, v, causal)  # [T, Hq, D]
-                x = x + F.linear(out.reshape(t, -1), layer.wo)
-                x = x + F.linear(self._swiglu(layer, x), layer.w_down)
+                x = x + reference_linear(out.reshape(t, -1), layer.wo)
+                x = x + reference_linear(self._swiglu(layer, x), layer.w_down)
             return self._logits(x if rows is None else x[rows])
 
     # ---- pieces ----------------------------------------------------------------------
@@ -307,21 +341,21 @@ class Llama:
             )
         # a cache storing keys before RoPE takes them so (not rotated here and back there)
         rotated = getattr(cache, "key_rope", "post") != "pre"
-        h = norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
+        h = any_norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
         q, k, v = self._split_qkv(h, cos, sin, rotate_keys=rotated)
         if rotated:
             out = attention(index, q, k, v)  # [T, Hq, D]
         else:
             out = attention(index, q, k, v, keys_rotated=False)
-        x = add_linear(x, out.reshape(x.shape[0], -1), layer.wo)  # x: [T, E]
-        gate_up = norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
-        return add_linear(x, gate_up, layer.w_down, glu=True)  # + silu(gate) * up @ w_down^T
+        x = any_add_linear(x, out.reshape(x.shape[0], -1), layer.wo)  # x: [T, E]
+        gate_up = any_norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
+        return any_add_linear(x, gate_up, layer.w_down, glu=True)  # + silu(gate) * up @ w_down^T
 
     def _qkv(
         self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` of the normed rows ``h``."""
-        return self._split_qkv(linear(h, layer.wqkv), cos, sin)
+        return self._split_qkv(any_linear(h, layer.wqkv), cos, sin)
 
     def _split_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_keys: bool = True
@@ -343,11 +377,11 @@ class Llama:
     def _swiglu(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         """The MLP's hidden activation ``[T, F]`` of the normed residual (before w_down)."""
         c = self.config
-        return swiglu(linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up))
+        return swiglu(any_linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: logits ``[T, V]``."""
-        return norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.lm_head)
+        return any_norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.lm_head)
 
     def _check_shapes(self) -> None:
         c, w = self.config, self.weights
@@ -373,13 +407,117 @@ class Llama:
 
 
 def fingerprint(
-    source: str, dtype: torch.dtype, config: dict[str, object], samples: list[torch.Tensor]
+    source: str,
+    dtype: torch.dtype,
+    config: dict[str, object],
+    samples: list[torch.Tensor],
+    *,
+    native: bool = False,
 ) -> str:
-    """A model's id: its source, dtype and a SHA-256 of its config and samples of its weights."""
+    """A model's id: its source, dtype (and ``native`` for blocks as stored) and a SHA-256 of
+    its config and samples of its weights."""
     h = hashlib.sha256(repr(sorted(config.items())).encode())
     for t in samples:
         h.update(t.detach().float().contiguous().numpy().tobytes())
-    return f"{source}:{dtype}:{h.hexdigest()[:16]}"
+    kind = ":native" if native else ""
+    return f"{source}:{dtype}{kind}:{h.hexdigest()[:16]}"
+
+
+# ---- weights of either kind -------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightReader:
+    """How a loader reads a GGUF's tensors for one weight kind (matrices and vectors apart)."""
+
+    kind: WeightKind
+    dtype: torch.dtype  # of the vectors (norms) and of dequantized matrices
+
+    @classmethod
+    def of(cls, weights: str, dtype: torch.dtype) -> WeightReader:
+        """The reader of kind ``weights``: ``fp32`` honours ``dtype``; ``native`` runs in
+        float32 and ``bf16`` in bfloat16, so they take dtype float32 (their default) only."""
+        check_dtype(dtype)
+        if weights not in WEIGHT_KINDS:
+            raise InvalidArgumentError("weights", weights, f"one of {list(WEIGHT_KINDS)}")
+        if weights == "fp32":
+            return cls("fp32", dtype)
+        if dtype != torch.float32:
+            raise InvalidArgumentError(
+                "dtype", dtype, f"torch.float32 with weights={weights!r} (use weights='fp32')"
+            )
+        return cls(weights, torch.bfloat16 if weights == "bf16" else torch.float32)
+
+    def matrix(self, gguf: GGUFFile, name: str) -> Weight:
+        """A matrix [out, in]: blocks as stored (native) or dequantized."""
+        return gguf.weight(name) if self.kind == "native" else gguf.tensor(name, self.dtype)
+
+    def vector(self, gguf: GGUFFile, name: str) -> torch.Tensor:
+        """A norm's weight (floats in every kind)."""
+        return gguf.tensor(name, self.dtype)
+
+
+def weights_dtype(embed: Weight) -> torch.dtype:
+    """The activations' dtype of a model whose embedding is ``embed`` (blocks: float32)."""
+    return torch.float32 if isinstance(embed, QuantizedWeight) else embed.dtype
+
+
+def held_bytes(weights: Sequence[Weight]) -> int:
+    """Bytes held by ``weights``, each object once (a tied LM head is the embedding)."""
+    unique = {id(w): w for w in weights}.values()
+    return sum(
+        w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in unique
+    )
+
+
+def head_rows(weight: Weight, n: int) -> torch.Tensor:
+    """The first ``n`` rows (last ``-n`` when negative) for a fingerprint: a QuantizedWeight's
+    are its blocks' bytes."""
+    data = weight if isinstance(weight, torch.Tensor) else weight.parts[0 if n > 0 else -1].data
+    return data[:n] if n > 0 else data[n:]
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    """The weight as a float tensor (blocks dequantized to float32: a copy the caller holds)."""
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+
+
+def embed_rows(embed: Weight, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding rows ``[T, E]`` of ``ids``: blocks dequantize only the rows looked up."""
+    if isinstance(embed, QuantizedWeight):
+        return embed.rows(ids)
+    return F.embedding(ids, embed)
+
+
+# Blocks go through qlinear until kernels.linear takes a QuantizedWeight itself.
+def any_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """``kernels.linear.linear`` for either kind of weight."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear.linear(x, weight)
+    return linear(x, weight)
+
+
+def any_norm_linear(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: Weight
+) -> torch.Tensor:
+    """``kernels.linear.norm_linear`` for either kind of weight."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear.linear(rms_norm(x, norm_weight, eps), weight)
+    return norm_linear(x, norm_weight, eps, weight)
+
+
+def any_add_linear(
+    residual: torch.Tensor, x: torch.Tensor, weight: Weight, *, glu: bool = False
+) -> torch.Tensor:
+    """``kernels.linear.add_linear`` for either kind of weight."""
+    if isinstance(weight, QuantizedWeight):
+        return residual + qlinear.linear(swiglu(x) if glu else x, weight)
+    return add_linear(residual, x, weight, glu=glu)
+
+
+def reference_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """The no-cache reference's product: torch's ``F.linear`` on the float weight."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear.linear(x, weight)
+    return F.linear(x, weight)
 
 
 def token_ids(
@@ -415,19 +553,20 @@ def check_dtype(dtype: object) -> None:
         raise InvalidArgumentError("dtype", dtype, f"one of {FLOAT_DTYPES}")
 
 
-def _load_layer(gguf: GGUFFile, config: LlamaConfig, i: int, dtype: torch.dtype) -> LlamaLayer:
-    """Block ``i`` from ``blk.{i}.*``: Q/K rows un-permuted, projections concatenated."""
+def _load_layer(gguf: GGUFFile, config: LlamaConfig, i: int, reader: WeightReader) -> LlamaLayer:
+    """Block ``i`` from ``blk.{i}.*``: Q/K rows un-permuted, projections fused by rows."""
     p = f"blk.{i}."
-    q = unpermute_rope_rows(gguf.tensor(p + "attn_q.weight", dtype), config.num_heads)
-    k = unpermute_rope_rows(gguf.tensor(p + "attn_k.weight", dtype), config.num_kv_heads)
-    v = gguf.tensor(p + "attn_v.weight", dtype)
-    gate = gguf.tensor(p + "ffn_gate.weight", dtype)
-    up = gguf.tensor(p + "ffn_up.weight", dtype)
+
+    def matrix(name: str) -> Weight:
+        return reader.matrix(gguf, p + name + ".weight")
+
+    q = unpermute_rope_rows(matrix("attn_q"), config.num_heads)
+    k = unpermute_rope_rows(matrix("attn_k"), config.num_kv_heads)
     return LlamaLayer(
-        attn_norm=gguf.tensor(p + "attn_norm.weight", dtype),
-        wqkv=torch.cat((q, k, v)),
-        wo=gguf.tensor(p + "attn_output.weight", dtype),
-        mlp_norm=gguf.tensor(p + "ffn_norm.weight", dtype),
-        w_gate_up=torch.cat((gate, up)),
-        w_down=gguf.tensor(p + "ffn_down.weight", dtype),
+        attn_norm=reader.vector(gguf, p + "attn_norm.weight"),
+        wqkv=stack_rows([q, k, matrix("attn_v")]),
+        wo=matrix("attn_output"),
+        mlp_norm=reader.vector(gguf, p + "ffn_norm.weight"),
+        w_gate_up=stack_rows([matrix("ffn_gate"), matrix("ffn_up")]),
+        w_down=matrix("ffn_down"),
     )

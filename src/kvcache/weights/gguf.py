@@ -7,7 +7,13 @@ torch's ``Linear`` layout, no transpose needed.
 llama.cpp permutes the rows of Llama's ``attn_q`` / ``attn_k`` so that its RoPE can rotate
 interleaved pairs ``(x0, x1), (x2, x3), ...``; :func:`unpermute_rope_rows` undoes it back to
 the rotate-half layout (``(x_i, x_{i+D/2})`` pairs) that HuggingFace checkpoints and
-:mod:`kvcache.models.rope` use. It is the inverse of ``convert_hf_to_gguf.py``'s ``permute``.
+:mod:`kvcache.models.rope` use. It is the inverse of ``convert_hf_to_gguf.py``'s ``permute``;
+it moves whole rows, so it applies to a row's blocks as well as to its values.
+
+:meth:`GGUFFile.weight` hands a matrix back as stored: a
+:class:`~kvcache.kernels.qlinear.QuantizedWeight` whose rows are the file's blocks
+(``uint8 [out, in / values * nbytes]``), copied out of the memory map; :func:`stack_rows`
+fuses several (Q, K and V) into one weight of several parts.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvcache.errors import CallOrderError, InvalidArgumentError, NotSupportedError
+from kvcache.kernels.qlinear import BLOCK_TYPES, QuantizedWeight, WeightPart
+
+FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+)
+Weight = torch.Tensor | QuantizedWeight  # a matrix [out, in]: floats or blocks as stored
 
 # Tensor types we dequantize: float formats and the quantized ones gguf.quants implements in numpy.
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
@@ -109,14 +121,46 @@ def _skip_value(f: Any, kind: int) -> None:
         raise InvalidArgumentError("path", getattr(f, "name", "?"), f"a GGUF file (type {kind})")
 
 
-def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation so RoPE can rotate halves (HF layout)."""
+def unpermute_rope_rows(weight: Weight, n_heads: int) -> Weight:
+    """Undo llama.cpp's Q/K row permutation so RoPE can rotate halves (HF layout); on a
+    QuantizedWeight of one part it moves the rows' blocks."""
+    if isinstance(weight, QuantizedWeight):
+        assert len(weight.parts) == 1, f"{len(weight.parts)} parts: permute each tensor alone"
+        part = weight.parts[0]
+        data = _unpermute(part.data, n_heads).contiguous()
+        return QuantizedWeight((WeightPart(part.kind, data),), weight.in_features)
+    return _unpermute(weight, n_heads)
+
+
+def _unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     # weight: [n_heads * D, in]; llama.cpp stored rows of each head as (D/2 pairs, 2)
     rows = weight.shape[0]
     assert rows % (2 * n_heads) == 0, f"{rows} rows do not split into {n_heads} heads of pairs"
     half = rows // n_heads // 2
     # w: [H, D/2, 2, in] -> [H, 2, D/2, in]
     return weight.reshape(n_heads, half, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def stack_rows(weights: list[Weight]) -> Weight:
+    """Matrices of one input size fused by rows (Q, K, V): floats concatenated, blocks as the
+    parts of one QuantizedWeight (neighbours of one block type merged into one part)."""
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return torch.cat(weights)  # type: ignore[arg-type]
+    if not all(isinstance(w, QuantizedWeight) for w in weights):
+        raise NotSupportedError(
+            "fusing float and block-quantized matrices into one weight is not supported "
+            "(load with weights='fp32')"
+        )
+    blocks = [w for w in weights if isinstance(w, QuantizedWeight)]
+    parts: list[WeightPart] = []
+    for part in (p for w in blocks for p in w.parts):
+        if parts and parts[-1].kind == part.kind:
+            parts[-1] = WeightPart(part.kind, torch.cat((parts[-1].data, part.data)))
+        else:
+            parts.append(part)
+    k = {w.in_features for w in blocks}
+    assert len(k) == 1, f"stacked weights of different input sizes {sorted(k)}"
+    return QuantizedWeight(tuple(parts), k.pop())
 
 
 class GGUFFile:
@@ -180,13 +224,36 @@ class GGUFFile:
         """Names of every tensor, in file order."""
         return list(self._tensors)
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Tensor ``name`` dequantized to ``dtype``, shape ``[out, in]`` for matrices."""
+    def weight(self, name: str) -> Weight:
+        """Matrix ``name`` as stored: blocks of a kernel block type (``BLOCK_TYPES``) as a
+        QuantizedWeight copied out of the map (its pages then dropped), float types as float32."""
+        info = self._info(name)
+        if info.tensor_type in FLOAT_TYPES:
+            return self.tensor(name)
+        kind = BLOCK_TYPES.get(info.tensor_type.name)
+        if kind is None:
+            raise NotSupportedError(
+                f"{self.path.name}: tensor {name!r} has type {info.tensor_type.name}, which has "
+                f"no kernel; kept as stored: {sorted(BLOCK_TYPES)} (load it with weights='fp32')"
+            )
+        rows, k = (int(d) for d in reversed(info.shape.tolist()))
+        assert k % kind.values == 0, f"{name}: {k} values a row, blocks of {kind.values}"
+        data = np.array(info.data, dtype=np.uint8).reshape(rows, k // kind.values * kind.nbytes)
+        self._drop_pages(info.data_offset, info.n_bytes)
+        return QuantizedWeight((WeightPart(kind, torch.from_numpy(data)),), k)
+
+    def _info(self, name: str) -> Any:
+        """The reader's record of tensor ``name`` (InvalidArgumentError if there is none)."""
         info = self._tensors.get(name)
         if info is None:
             raise InvalidArgumentError(
                 "name", name, f"a tensor of {self.path.name} (it has {len(self._tensors)})"
             )
+        return info
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Tensor ``name`` dequantized to ``dtype``, shape ``[out, in]`` for matrices."""
+        info = self._info(name)
         if info.tensor_type not in SUPPORTED_TYPES:
             raise NotSupportedError(
                 f"{self.path.name}: tensor {name!r} has type {info.tensor_type.name}, which is "
