@@ -141,6 +141,8 @@ def extension(unit: str = "attention") -> ModuleType:
             file=sys.stderr,
             flush=True,
         )
+    # ninja's default of cores + 2 jobs runs ~1.5 GB compilers beyond the cores: one a core
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     # torch runs `ninja` from PATH: the pip-installed one sits beside this interpreter
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
