@@ -20,7 +20,7 @@ echo "[test] pytest"
 # unseen). Each pass also checks that its build reports the paths its target takes.
 kernel_tests=(tests/test_attention.py tests/test_codecs.py tests/test_turbo.py
   tests/test_pre_rope.py tests/test_encode.py tests/test_linear.py tests/test_dense.py
-  tests/test_rows.py tests/test_kernel_sources.py::test_the_build_reports_the_paths_its_target_takes)
+  tests/test_rows.py tests/test_qlinear.py tests/test_kernel_sources.py::test_the_build_reports_the_paths_its_target_takes)
 kernel_pass() {  # $1: the -march target, $2: what it builds
   echo "[test] pytest on the $2 kernels (KVCACHE_KERNEL_MARCH=$1)"
   KVCACHE_KERNEL_MARCH="$1" .venv/bin/python -m kvcache.kernels

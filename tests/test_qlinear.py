@@ -17,6 +17,7 @@ somewhere (the bound is not slack enough to hide a wrong scale or a swapped nibb
 
 from __future__ import annotations
 
+import functools
 import numpy as np
 import pytest
 import torch
@@ -126,6 +127,7 @@ def test_rows_dequantizes_only_the_rows_looked_up(name: str) -> None:
         w.rows(torch.tensor([50]))
 
 
+@functools.cache
 def _real_tensors() -> list[tuple[str, str, np.ndarray, int]]:
     """(file, tensor, the first and last 32 rows' blocks, K) of every quantized tensor of the
     two bundled GGUF files."""
@@ -184,7 +186,7 @@ def test_kernel_on_the_bundled_files() -> None:
     """One tensor of each type of the real files, against its float64 product."""
     seen: set[str] = set()
     g = torch.Generator().manual_seed(5)
-    for name, tensor, data, k in _real_tensors():
+    for name, _tensor, data, k in _real_tensors():
         if name in seen:
             continue
         seen.add(name)
@@ -219,15 +221,21 @@ def test_mixed_parts_equal_each_part_alone() -> None:
     k = 512
     names = ["Q4_K", "Q6_K", "Q8_0", "Q4_1"]
     datas = [random_blocks(n, 13 + i, k, seed=20 + i) for i, n in enumerate(names)]
-    parts = tuple(Q.WeightPart(Q.BLOCK_TYPES[n], torch.from_numpy(d)) for n, d in zip(names, datas))
+    parts = tuple(
+        Q.WeightPart(Q.BLOCK_TYPES[n], torch.from_numpy(d))
+        for n, d in zip(names, datas, strict=True)
+    )
     w = Q.QuantizedWeight(parts, k)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
     got = Q.linear(x, w)
     assert got.shape == (3, w.shape[0])
-    alone = torch.cat([Q.linear(x, weight(n, d, k)) for n, d in zip(names, datas)], dim=1)
+    alone = torch.cat(
+        [Q.linear(x, weight(n, d, k)) for n, d in zip(names, datas, strict=True)], dim=1
+    )
     assert torch.equal(got, alone)
     assert torch.equal(
-        w.dequantize(), torch.cat([weight(n, d, k).dequantize() for n, d in zip(names, datas)])
+        w.dequantize(),
+        torch.cat([weight(n, d, k).dequantize() for n, d in zip(names, datas, strict=True)]),
     )
 
 
@@ -290,3 +298,17 @@ def test_bad_shapes_raise_typed_errors() -> None:
         Q.linear(torch.zeros(2, 256), w)
     with pytest.raises(DimensionMismatchError):
         Q.add_linear(torch.zeros(2, 5), torch.zeros(2, 512), w)
+
+
+def test_kernels_linear_takes_a_quantized_weight() -> None:
+    """kernels.linear's three entry points hand a QuantizedWeight to kernels.qlinear."""
+    k = 256
+    data = random_blocks("Q8_0", 10, k, seed=15)
+    w = weight("Q8_0", data, k)
+    g = torch.Generator().manual_seed(10)
+    x, res, b = torch.randn(2, k, generator=g), torch.randn(2, 10, generator=g), torch.randn(10)
+    nw = torch.rand(k, generator=g) + 0.5
+    assert torch.equal(L.linear(x, w), Q.linear(x, w))
+    assert torch.equal(L.linear(x, w, b), Q.linear(x, w) + b)
+    assert torch.equal(L.norm_linear(x, nw, 1e-6, w), Q.norm_linear(x, nw, 1e-6, w))
+    assert torch.equal(L.add_linear(res, x, w), Q.add_linear(res, x, w))

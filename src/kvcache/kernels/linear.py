@@ -19,6 +19,9 @@ the ops next to a product: ``norm_linear`` (RMSNorm, then the product) and ``add
 (the residual added, and with ``glu`` SwiGLU's silu(gate) * up before the product) are one
 call each, with the bits of the separate calls (norm_linear) or within a float32 rounding of
 torch's silu per hidden value (glu).
+
+Each of ``linear``, ``norm_linear`` and ``add_linear`` also takes a GGUF weight as stored
+(``qlinear.QuantizedWeight``) and hands it to ``kernels.qlinear`` (int8 decode-row kernels).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvcache.kernels import qlinear
 from kvcache.kernels.build import cpu_float32, extension
+from kvcache.kernels.qlinear import QuantizedWeight
 
 MAX_ROWS = 32  # rows up to which the kernel beats torch here (benchmarks/linear_rows.py)
 _EMPTY = torch.empty(0)
@@ -45,8 +50,13 @@ def served(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x [..., K], weight [N, K], bias [N] -> [..., N]."""
+    if isinstance(weight, QuantizedWeight):
+        y = qlinear.linear(x, weight)
+        return y if bias is None else y + bias
     if not served(x, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, weight, bias)
     return _kernel(x, weight, bias)
@@ -72,11 +82,17 @@ def _kernel(
 
 
 def add_linear(
-    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, glu: bool = False
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    *,
+    glu: bool = False,
 ) -> torch.Tensor:
     """``residual + x @ weight.T`` for 2-D ``residual`` [T, N] and ``x`` [T, K] (one fused
     ``addmm`` for prompt-sized inputs). ``glu``: x is [T, 2K], SwiGLU's gate and up halves,
     and the product is of ``silu(x[:, :K]) * x[:, K:]`` (one kernel call a decode step)."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear.add_linear(residual, x, weight, glu=glu)
     if glu:
         k = weight.shape[-1]
         if x.shape[-1] == 2 * k and _served_rows(x[:, :k], weight, residual):
@@ -94,10 +110,12 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def norm_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | QuantizedWeight
 ) -> torch.Tensor:
     """``linear(rms_norm(x, norm_weight, eps), weight)``: one kernel call for decode-sized
     float32 inputs (the same bits as the two calls), else the two."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear.norm_linear(x, norm_weight, eps, weight)
     k = x.shape[-1]
     if served(x, weight) and cpu_float32(norm_weight) and norm_weight.shape == (k,):
         return _kernel(x, weight, None, norm=(norm_weight, eps))

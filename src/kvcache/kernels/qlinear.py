@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError

@@ -124,11 +124,13 @@ inline void decode_block(const uint8_t* src, int64_t b, const Decoded& o) {
     const int8_t* s = reinterpret_cast<const int8_t*>(src + 192);
     o.d[b] = half_to_float(load16(src + 208));
     for (int j = 0; j < 16; ++j) o.sc[b * 16 + j] = s[j];
-    for (int h = 0; h < 2; ++h)
-      for (int r = 0; r < 128; ++r) {
-        const int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 15;
-        const int hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
-        q[h * 128 + r] = (int8_t)((lo | (hi << 4)) - 32);
+    for (int h = 0; h < 2; ++h)  // 128 values a half: 2 nibbles of ql, 4 bit pairs of qh
+      for (int i = 0; i < 32; ++i) {
+        const int l0 = ql[h * 64 + i], l1 = ql[h * 64 + 32 + i], hb = qh[h * 32 + i];
+        q[h * 128 + i] = (int8_t)(((l0 & 15) | ((hb & 3) << 4)) - 32);
+        q[h * 128 + 32 + i] = (int8_t)(((l1 & 15) | (((hb >> 2) & 3) << 4)) - 32);
+        q[h * 128 + 64 + i] = (int8_t)(((l0 >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+        q[h * 128 + 96 + i] = (int8_t)(((l1 >> 4) | (((hb >> 6) & 3) << 4)) - 32);
       }
   }
 }

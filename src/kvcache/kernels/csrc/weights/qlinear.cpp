@@ -84,29 +84,12 @@ inline __m256i dot32(const int8_t* w, const int8_t* x) {
 }
 #endif
 
+#if !KVK_AVX2
 // the integer sum of block b's code products, times the per-16 scales for G = 256
 template <int G>
 inline int32_t block_dot(const Decoded& w, const int8_t* xq, int64_t b) {
   const int8_t* wq = w.q + b * G;
   const int8_t* xb = xq + b * G;
-#if KVK_AVX2
-  __m256i acc = _mm256_setzero_si256();
-  KVK_UNROLL
-  for (int c = 0; c < G / 32; ++c) {
-    const __m256i p = dot32(wq + 32 * c, xb + 32 * c);
-    if constexpr (G == 32) {
-      acc = p;
-    } else {
-      const int32_t* sc = w.sc + b * 16 + 2 * c;
-      acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, _mm256_set_m128i(_mm_set1_epi32(sc[1]),
-                                                                          _mm_set1_epi32(sc[0]))));
-    }
-  }
-  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
-  return _mm_cvtsi128_si32(h);
-#else
   int32_t total = 0;
   for (int c = 0; c < G / 16; ++c) {
     int32_t sum = 0;
@@ -114,7 +97,6 @@ inline int32_t block_dot(const Decoded& w, const int8_t* xq, int64_t b) {
     total += (G == 32 ? 1 : w.sc[b * 16 + c]) * sum;
   }
   return total;
-#endif
 }
 
 // y = W's row . x's row (both quantized), K values
@@ -126,12 +108,86 @@ float dot_row(const Decoded& w, const int8_t* xq, const float* xd, const int32_t
     acc += (w.d[b] * xd[b]) * (float)block_dot<G>(w, xq, b);
     if constexpr (MIN) {
       int32_t ms = 0;
-      KVK_UNROLL
       for (int j = 0; j < G / 32; ++j) ms += w.mn[b * (G / 32) + j] * xs[b * (G / 32) + j];
       accm += (w.dm[b] * xd[b]) * (float)ms;
     }
   }
   return acc + accm;
+}
+#endif
+
+#if KVK_AVX2
+// y[r] = W's rows r < R . x's row: each x vector loaded once for R weight rows; each row's
+// float32 sums kept in 8 lanes (a block's 8 integer lanes scaled, then added), summed at the
+// end. A row's operations do not depend on R or on the other rows: the same bits in any block.
+template <int G, bool MIN, int R>
+void dot_rows(const Decoded* w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
+              float* y, int64_t ldy) {
+  __m256 acc[R];
+  float accm[R];
+  KVK_UNROLL
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    accm[r] = 0.f;
+  }
+  for (int64_t b = 0; b < K / G; ++b) {
+    const float dx = xd[b];
+    __m256i ia[R];
+    KVK_UNROLL
+    for (int r = 0; r < R; ++r) ia[r] = _mm256_setzero_si256();
+    KVK_UNROLL
+    for (int c = 0; c < G / 32; ++c) {
+      const int8_t* xc = xq + b * G + 32 * c;
+      KVK_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256i p = dot32(w[r].q + b * G + 32 * c, xc);
+        if constexpr (G == 32) {
+          ia[r] = p;
+        } else {
+          const int32_t* sc = w[r].sc + b * 16 + 2 * c;
+          const __m256i s = _mm256_set_m128i(_mm_set1_epi32(sc[1]), _mm_set1_epi32(sc[0]));
+          ia[r] = _mm256_add_epi32(ia[r], _mm256_mullo_epi32(p, s));
+        }
+      }
+    }
+    KVK_UNROLL
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_set1_ps(w[r].d[b] * dx), acc[r]);
+      if constexpr (MIN) {
+        int32_t ms = 0;
+        KVK_UNROLL
+        for (int j = 0; j < G / 32; ++j) ms += w[r].mn[b * (G / 32) + j] * xs[b * (G / 32) + j];
+        accm[r] += (w[r].dm[b] * dx) * (float)ms;
+      }
+    }
+  }
+  KVK_UNROLL
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]) + accm[r];
+}
+#endif
+
+constexpr int RB = 4;  // weight rows decoded together and met by each x row
+
+// y[m * ldy + r] for the c <= RB decoded rows w and every x row m
+template <int G, bool MIN>
+void block_rows(int64_t c, const Decoded* w, const int8_t* xq, const float* xd,
+                const int32_t* xs, int64_t M, int64_t K, float* y, int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* q = xq + m * K;
+    const float* d = xd + m * (K / G);
+    const int32_t* s = xs + m * (K / 32);
+    float* out = y + m * ldy;
+#if KVK_AVX2
+    switch (c) {
+      case 4: dot_rows<G, MIN, 4>(w, q, d, s, K, out, 1); break;
+      case 3: dot_rows<G, MIN, 3>(w, q, d, s, K, out, 1); break;
+      case 2: dot_rows<G, MIN, 2>(w, q, d, s, K, out, 1); break;
+      default: dot_rows<G, MIN, 1>(w, q, d, s, K, out, 1); break;
+    }
+#else
+    for (int64_t r = 0; r < c; ++r) out[r] = dot_row<G, MIN>(w[r], q, d, s, K);
+#endif
+  }
 }
 
 template <int G, bool MIN>
@@ -140,16 +196,20 @@ void rows_t(int kind, const uint8_t* data, int64_t rows, int64_t row_bytes, cons
   const int8_t* xq = a.q.data_ptr<int8_t>();
   const float* xd = a.d.data_ptr<float>();
   const int32_t* xs = a.s.data_ptr<int32_t>();
-  const int64_t grain = std::max<int64_t>(1, 16384 / K);  // ~16 K weights an item
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<int8_t> q(K);
-    std::vector<float> d(K / 32), dm(K / 32);
-    std::vector<int32_t> sc(K / 16), mn(K / 32);
-    const Decoded w{q.data(), d.data(), dm.data(), sc.data(), mn.data()};
-    for (int64_t n = begin; n < end; ++n) {
-      decode_row(kind, data + n * row_bytes, K, w);
-      for (int64_t m = 0; m < M; ++m)
-        y[m * ldy + n] = dot_row<G, MIN>(w, xq + m * K, xd + m * (K / G), xs + m * (K / 32), K);
+  const int64_t blocks = (rows + RB - 1) / RB;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K));  // ~16 K weights an item
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> q(RB * K);
+    std::vector<float> d(RB * K / 32), dm(RB * K / 32);
+    std::vector<int32_t> sc(RB * K / 16), mn(RB * K / 32);
+    Decoded w[RB];
+    for (int r = 0; r < RB; ++r)
+      w[r] = Decoded{q.data() + r * K, d.data() + r * K / 32, dm.data() + r * K / 32,
+                     sc.data() + r * K / 16, mn.data() + r * K / 32};
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n = blk * RB, c = std::min<int64_t>(RB, rows - n);
+      for (int64_t r = 0; r < c; ++r) decode_row(kind, data + (n + r) * row_bytes, K, w[r]);
+      block_rows<G, MIN>(c, w, xq, xd, xs, M, K, y + n, ldy);
     }
   });
 }
