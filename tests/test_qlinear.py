@@ -18,6 +18,7 @@ somewhere (the bound is not slack enough to hide a wrong scale or a swapped nibb
 from __future__ import annotations
 
 import functools
+
 import numpy as np
 import pytest
 import torch
