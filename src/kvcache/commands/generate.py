@@ -30,6 +30,8 @@ examples:
   kvcache generate -n 4 --seed 1 --chat "Name a fruit"   4 samples decoded together, the
                                                          prompt computed once and shared
   kvcache generate --kv-codec int8 "Tell me about caches"  int8 K/V (kivi4, turbo4, ...)
+  kvcache generate --weights fp32 "Hello"                 the weights dequantized to float32
+                                                         (default: the GGUF's blocks as stored)
   kvcache generate --capacity 256 --max-new-tokens 600 "A long story:"
                                                          context shifting at 256 positions
   kvcache generate --session s.kv --temperature 0 "A long prompt ..."

@@ -487,7 +487,8 @@ def embed_rows(embed: Weight, ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, embed)
 
 
-# Blocks go through qlinear until kernels.linear takes a QuantizedWeight itself.
+# Blocks go to kernels.qlinear (int8 decode rows, float32 tiles for prompts) until
+# kernels.linear dispatches a QuantizedWeight itself.
 def any_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """``kernels.linear.linear`` for either kind of weight."""
     if isinstance(weight, QuantizedWeight):
@@ -500,7 +501,7 @@ def any_norm_linear(
 ) -> torch.Tensor:
     """``kernels.linear.norm_linear`` for either kind of weight."""
     if isinstance(weight, QuantizedWeight):
-        return qlinear.linear(rms_norm(x, norm_weight, eps), weight)
+        return qlinear.norm_linear(x, norm_weight, eps, weight)
     return norm_linear(x, norm_weight, eps, weight)
 
 
@@ -509,15 +510,14 @@ def any_add_linear(
 ) -> torch.Tensor:
     """``kernels.linear.add_linear`` for either kind of weight."""
     if isinstance(weight, QuantizedWeight):
-        return residual + qlinear.linear(swiglu(x) if glu else x, weight)
+        return qlinear.add_linear(residual, x, weight, glu=glu)
     return add_linear(residual, x, weight, glu=glu)
 
 
 def reference_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """The no-cache reference's product: torch's ``F.linear`` on the float weight."""
-    if isinstance(weight, QuantizedWeight):
-        return qlinear.linear(x, weight)
-    return F.linear(x, weight)
+    """The no-cache reference's product: torch's ``F.linear`` on the float weight (blocks
+    dequantized: float32 activations, no int8 step)."""
+    return F.linear(x, dense(weight))
 
 
 def token_ids(
