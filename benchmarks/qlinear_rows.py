@@ -61,18 +61,14 @@ def rows_for(name: str, n: int, k: int, repeats: int) -> list[dict[str, object]]
     out = []
     for m in ROWS:
         x = torch.randn(m, k, generator=g)
-        t = take_turns(
-            {
-                "q": timed(
-                    lambda x=x: qext.qlinear_rows(x, kinds, parts, empty, empty, 0.0, False)
-                ),
-                "fp32": timed(
-                    lambda x=x: ext.linear_rows(x, dense, empty, empty, empty, 0.0, False)
-                ),
-            },
-            repeats,
-            warm=2,
-        )
+
+        def int8(x: torch.Tensor = x) -> torch.Tensor:
+            return qext.qlinear_rows(x, kinds, parts, empty, empty, 0.0, False)
+
+        def fp32(x: torch.Tensor = x) -> torch.Tensor:
+            return ext.linear_rows(x, dense, empty, empty, empty, 0.0, False)
+
+        t = take_turns({"q": timed(int8), "fp32": timed(fp32)}, repeats, warm=2)
         tq, tf = statistics.median(t["q"]), statistics.median(t["fp32"])
         out.append(
             {
