@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kv_quality as kq  # noqa: E402  (the protocol's window sizes)
 from common import license_tokens  # noqa: E402
 
-# KL(fp32 || native) per scored token on the protocol's windows. Measured 2026-12-02 (2
-# windows): SmolLM2 Q4_1 0.0040, Gemma 3 Q4_K_M 0.0050 nats (int8 activations only: both sides
-# read the same blocks). The bounds are that with a 3x margin and must stay <= llama.cpp's own
-# KL against the same fp32 reference on these windows (helper E measures it).
+# KL(fp32 || native) per scored token on the protocol's windows (int8 activations only: both
+# sides read the same blocks). PROVISIONAL bound, not yet measured here (the machine was too
+# loaded to finish the run): set it from the measured KL with a margin; it must stay <=
+# llama.cpp's own KL against the same fp32 reference on these windows (helper E measures it).
 KL_BOUND = {"smollm2": 0.015, "gemma3": 0.015}
 WINDOWS = 2  # of the protocol's 4 windows of 2048 tokens
 NEW_TOKENS = 16

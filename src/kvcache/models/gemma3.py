@@ -35,14 +35,12 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
-from kvcache.kernels.linear import rms_norm
+from kvcache.kernels.linear import linear, norm_linear, rms_norm
 from kvcache.kernels.qlinear import QuantizedWeight
 from kvcache.kernels.reference import grouped_attention
 from kvcache.models.llama import (
     WeightKind,
     WeightReader,
-    any_linear,
-    any_norm_linear,
     dense,
     embed_rows,
     fingerprint,
@@ -360,7 +358,7 @@ class Gemma3:
         """q ``[T, Hq, D]``, k, v ``[T, Hkv, D]`` of the residual ``x``: q and k per-head
         normed then rotated."""
         c = self.config
-        qkv = any_norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
+        qkv = norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
         t, d = qkv.shape[0], c.head_dim
         nq, nk = c.num_heads * d, c.num_kv_heads * d
         q = rms_norm(qkv[:, :nq].reshape(t, c.num_heads, d), layer.q_norm, c.rms_eps)
@@ -387,16 +385,16 @@ class Gemma3:
     ) -> torch.Tensor:
         """Output projection, post-attention norm and residual, then the normed MLP branch."""
         c = self.config
-        attn = any_linear(out.reshape(x.shape[0], -1), layer.wo)  # [T, E]
+        attn = linear(out.reshape(x.shape[0], -1), layer.wo)  # [T, E]
         x = x + rms_norm(attn, layer.post_attn_norm, c.rms_eps)
-        gate_up = any_norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
+        gate_up = norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
         f = c.intermediate_size
         hidden = F.gelu(gate_up[:, :f], approximate="tanh").mul_(gate_up[:, f:])  # [T, F]
-        return x + rms_norm(any_linear(hidden, layer.w_down), layer.post_mlp_norm, c.rms_eps)
+        return x + rms_norm(linear(hidden, layer.w_down), layer.post_mlp_norm, c.rms_eps)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the tied LM head: logits ``[T, V]``."""
-        return any_norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.embed)
+        return norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.embed)
 
     def _check_shapes(self) -> None:
         c, w = self.config, self.weights

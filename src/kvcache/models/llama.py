@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupportedError
-from kvcache.kernels import qlinear
 from kvcache.kernels.linear import add_linear, linear, norm_linear, rms_norm, swiglu
 from kvcache.kernels.qlinear import QuantizedWeight
 from kvcache.kernels.reference import grouped_attention
@@ -341,21 +340,21 @@ class Llama:
             )
         # a cache storing keys before RoPE takes them so (not rotated here and back there)
         rotated = getattr(cache, "key_rope", "post") != "pre"
-        h = any_norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
+        h = norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
         q, k, v = self._split_qkv(h, cos, sin, rotate_keys=rotated)
         if rotated:
             out = attention(index, q, k, v)  # [T, Hq, D]
         else:
             out = attention(index, q, k, v, keys_rotated=False)
-        x = any_add_linear(x, out.reshape(x.shape[0], -1), layer.wo)  # x: [T, E]
-        gate_up = any_norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
-        return any_add_linear(x, gate_up, layer.w_down, glu=True)  # + silu(gate) * up @ w_down^T
+        x = add_linear(x, out.reshape(x.shape[0], -1), layer.wo)  # x: [T, E]
+        gate_up = norm_linear(x, layer.mlp_norm, c.rms_eps, layer.w_gate_up)  # [T, 2F]
+        return add_linear(x, gate_up, layer.w_down, glu=True)  # + silu(gate) * up @ w_down^T
 
     def _qkv(
         self, layer: LlamaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` of the normed rows ``h``."""
-        return self._split_qkv(any_linear(h, layer.wqkv), cos, sin)
+        return self._split_qkv(linear(h, layer.wqkv), cos, sin)
 
     def _split_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_keys: bool = True
@@ -377,11 +376,11 @@ class Llama:
     def _swiglu(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         """The MLP's hidden activation ``[T, F]`` of the normed residual (before w_down)."""
         c = self.config
-        return swiglu(any_linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up))
+        return swiglu(linear(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate_up))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: logits ``[T, V]``."""
-        return any_norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.lm_head)
+        return norm_linear(x, self.weights.norm, self.config.rms_eps, self.weights.lm_head)
 
     def _check_shapes(self) -> None:
         c, w = self.config, self.weights
@@ -485,33 +484,6 @@ def embed_rows(embed: Weight, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(embed, QuantizedWeight):
         return embed.rows(ids)
     return F.embedding(ids, embed)
-
-
-# Blocks go to kernels.qlinear (int8 decode rows, float32 tiles for prompts) until
-# kernels.linear dispatches a QuantizedWeight itself.
-def any_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """``kernels.linear.linear`` for either kind of weight."""
-    if isinstance(weight, QuantizedWeight):
-        return qlinear.linear(x, weight)
-    return linear(x, weight)
-
-
-def any_norm_linear(
-    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: Weight
-) -> torch.Tensor:
-    """``kernels.linear.norm_linear`` for either kind of weight."""
-    if isinstance(weight, QuantizedWeight):
-        return qlinear.norm_linear(x, norm_weight, eps, weight)
-    return norm_linear(x, norm_weight, eps, weight)
-
-
-def any_add_linear(
-    residual: torch.Tensor, x: torch.Tensor, weight: Weight, *, glu: bool = False
-) -> torch.Tensor:
-    """``kernels.linear.add_linear`` for either kind of weight."""
-    if isinstance(weight, QuantizedWeight):
-        return qlinear.add_linear(residual, x, weight, glu=glu)
-    return add_linear(residual, x, weight, glu=glu)
 
 
 def reference_linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
