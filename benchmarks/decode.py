@@ -324,7 +324,7 @@ def worker_hf(args: argparse.Namespace, tokens: list[int]) -> dict[str, Any]:
 def load_model() -> Any:
     from kvcache.models.llama import Llama
 
-    return Llama.from_gguf(dtype=torch.float32)
+    return Llama.from_gguf(dtype=torch.float32, weights="fp32")
 
 
 def progress(row: dict[str, Any]) -> None:

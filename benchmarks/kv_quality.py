@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cap {args.cap}: expected a fraction in (0, 1)")
     if args.press_decode and importlib.util.find_spec("kvcache.press") is None:
         parser.error("--press-decode needs kvcache.press, not in this checkout")
-    model = Llama.from_gguf()
+    model = Llama.from_gguf(weights="fp32")
     if not WINDOW <= args.window <= model.config.context_length:
         parser.error(f"--window {args.window}: expected {WINDOW}..{model.config.context_length}")
     torch.set_num_threads(args.threads)

@@ -528,7 +528,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer = Llama.from_gguf(), Tokenizer.from_gguf()
+    model, tokenizer = Llama.from_gguf(weights="fp32"), Tokenizer.from_gguf()
     files = sorted(p for p in LICENSES.iterdir() if p.is_file() and not p.is_symlink())
     corpus = Corpus(tokenizer, "".join(p.read_text(errors="replace") for p in files))
     fmt = PromptFormat(lambda c: tokenizer.apply_chat([{"role": "user", "content": c}]))

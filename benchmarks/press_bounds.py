@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from kvcache.text.tokenizer import Tokenizer
 
-    model = Llama.from_gguf()
+    model = Llama.from_gguf(weights="fp32")
     tokens = license_tokens(Tokenizer.from_gguf(), args.windows * kq.WINDOW)
     per_window = []  # [window][run]: each window's rows, in the same order
     with torch.inference_mode():

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.windows, args.presses, args.codecs = 1, ["snapkv", "streaming"], ["fp32"]
-    model = Llama.from_gguf()
+    model = Llama.from_gguf(weights="fp32")
     tokenizer = Tokenizer.from_gguf()
     span = PREFILL + SCORED + 1
     text = license_tokens(tokenizer, args.windows * span)

@@ -25,7 +25,8 @@ def test_bundled_name_streams_greedy_text_and_stats(
     capsys: pytest.CaptureFixture[str], gemma3: Gemma3, gemma3_tokenizer: Tokenizer
 ):
     code = main(
-        ["generate", "--model", "gemma3", "--temperature", "0", "--max-new-tokens", "12", PROMPT]
+        ["generate", "--model", "gemma3", "--weights", "fp32", "--temperature", "0"]
+        + ["--max-new-tokens", "12", PROMPT]
     )
     out = capsys.readouterr().out.rstrip("\n").split("\n")
     assert code == 0
