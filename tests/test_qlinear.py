@@ -313,3 +313,14 @@ def test_kernels_linear_takes_a_quantized_weight() -> None:
     assert torch.equal(L.linear(x, w, b), Q.linear(x, w) + b)
     assert torch.equal(L.norm_linear(x, nw, 1e-6, w), Q.norm_linear(x, nw, 1e-6, w))
     assert torch.equal(L.add_linear(res, x, w), Q.add_linear(res, x, w))
+
+
+def test_no_rows_give_no_rows() -> None:
+    """A prompt chunk that asks for no logits hands the LM head 0 rows (the engine's chunked
+    prefill): [0, N] back, as F.linear gives, through every entry."""
+    k = 256
+    w = weight("Q4_1", random_blocks("Q4_1", 8, k, seed=3), k)
+    x = torch.empty(0, k)
+    assert Q.linear(x, w).shape == (0, 8)
+    assert Q.norm_linear(x, torch.ones(k), 1e-6, w).shape == (0, 8)
+    assert Q.add_linear(torch.empty(0, 8), x, w).shape == (0, 8)

@@ -150,7 +150,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     _check_x(x, weight, weight.in_features)
     if served(x, weight):
         return _kernel(x, weight)
-    return _prefill(x.reshape(-1, weight.in_features), weight, None).view(*x.shape[:-1], -1)
+    rows = x.reshape(-1, weight.in_features)
+    return _prefill(rows, weight, None).view(*x.shape[:-1], weight.shape[0])
 
 
 def _kernel(
@@ -177,6 +178,8 @@ def _prefill(
     """``x @ W.T (+ residual)`` for x [T, K] through float32 tiles of W (TILE rows at a time)."""
     n, k = weight.shape
     out = torch.empty(x.shape[0], n, dtype=x.dtype) if residual is None else residual.clone()
+    if x.shape[0] == 0:  # a prompt chunk that asks for no logits: nothing to dequantize
+        return out
     begin = 0
     for p in weight.parts:
         rows = p.data.shape[0]
