@@ -23,7 +23,7 @@ import torch
 from kvcache.batch import Batch
 from kvcache.cli import main
 from kvcache.errors import InvalidArgumentError, NotSupportedError
-from kvcache.generate import GenerationConfig, stream_tokens
+from kvcache.generate import GenerationConfig, generate, stream_tokens
 from kvcache.kernels.qlinear import QuantizedWeight
 from kvcache.models.gemma3 import Gemma3
 from kvcache.models.llama import Llama
@@ -289,3 +289,20 @@ def test_fusing_floats_with_blocks_is_refused(smollm2_file: Path):
         blocks = gguf.weight("blk.0.attn_q.weight")
     with pytest.raises(NotSupportedError, match="fp32"):
         stack_rows([blocks, torch.zeros(2, 576)])
+
+
+def test_the_engine_prefills_a_long_prompt_in_chunks_on_native_weights(
+    smollm2_native: Llama, tokenizer: Tokenizer
+):
+    """The engine (serve's and generate()'s) splits a prompt into max_batch-token chunks whose
+    forwards ask for no logits: on native weights each must run. In one chunk the engine's
+    tokens equal one prefill's (stream_tokens); chunks of <= 32 rows take the int8 kernel
+    where a longer prefill takes float32 tiles, so their tokens may differ (known, open)."""
+    ids = tokenizer.encode("The history of the printing press, in detail. " * 12)
+    assert len(ids) > 64
+    config = GenerationConfig(max_new_tokens=4)
+    [chunked] = generate(smollm2_native, None, ids, config, max_batch=32)
+    assert len(chunked.tokens) == 4
+    [whole] = generate(smollm2_native, None, ids, config, max_batch=512)
+    cache = smollm2_native.new_cache(len(ids) + 4)
+    assert whole.tokens == list(stream_tokens(smollm2_native, cache, ids, config))
