@@ -116,6 +116,9 @@ def test_help_is_instant_and_readable():
     for flag in ("--chat", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--window"):
         assert flag in out
     assert "stats line" in out
+    # the weight kinds and their default; --dtype is a hidden alias of --weights
+    assert "--weights {native,fp32,bf16}" in out and "default native" in out
+    assert "--dtype" not in out
 
 
 def test_kv_codec_option(capsys: pytest.CaptureFixture[str]):

@@ -272,18 +272,6 @@ def test_generate_cli_runs_either_kind(kind: str, capsys: pytest.CaptureFixture[
         assert "--dtype" in capsys.readouterr().err
 
 
-def test_help_names_the_weight_kinds():
-    out = subprocess.run(
-        [sys.executable, "-m", "kvcache.cli", "generate", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    assert "--weights {native,fp32,bf16}" in out and "default native" in out
-    assert "--dtype" not in out
-
-
 def test_fusing_floats_with_blocks_is_refused(smollm2_file: Path):
     with GGUFFile(smollm2_file) as gguf:
         blocks = gguf.weight("blk.0.attn_q.weight")
