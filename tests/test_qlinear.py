@@ -175,6 +175,38 @@ def test_kernel_equals_float64_within_the_int8_bound(name: str, k: int) -> None:
     assert worst > 0.02, (name, worst)  # the bound is tight enough to catch a kernel bug
 
 
+def quantized_rows(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x [M, K] after ggml's activation rule, per block of g: codes round(x * (127 / amax)),
+    ties to even, clamped to +-127, times the scale amax / 127 (float32 steps)."""
+    m, k = x.shape
+    blocks = x.view(m, k // g, g)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q.double() * (amax / 127).double()).view(m, k)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_kernel_equals_the_product_of_its_quantized_activations(name: str) -> None:
+    """Against gguf's weights times the activations quantized by ggml's rule, in float64, the
+    kernel is exact but for float32 sums across blocks: a wrong activation scale (1 %) or
+    rounding rule fails here, where it hides inside the worst-case bound above."""
+    k = 512
+    data = random_blocks(name, 40, k, seed=31 + TYPES.index(name))
+    w = weight(name, data, k)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(5))
+    want = (
+        quantized_rows(x, Q.BLOCK_TYPES[name].values)
+        @ torch.from_numpy(gguf_values(name, data)).double().t()
+    )
+    scale = (
+        quantized_rows(x, Q.BLOCK_TYPES[name].values).abs()
+        @ torch.from_numpy(code_magnitude(name, data)).double().t()
+    )
+    err = (Q.linear(x, w).double() - want).abs()
+    assert float((err / (scale + 1e-30)).max()) < 1e-5, name
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_kernel_within_the_bound_on_extreme_scales(name: str) -> None:
     k = 512
