@@ -149,19 +149,26 @@ class Snapshot:
                 out[name] = t[: count - opened[owner]].clone()
         return Snapshot({**self.header, "cells": count}, out)
 
+    def resumes(self, pos: int) -> bool:
+        """Whether a token at ``pos`` can be processed from these cells once restored (the
+        rule of ``CausalCache.can_resume``: a window cache needs the window before ``pos``)."""
+        stored = self.positions
+        if self.header["window"] is None:
+            return pos <= len(self)
+        return max(0, pos - self.header["window"]) >= stored[0] and pos <= stored[-1] + 1
+
+    def head_before(self, pos: int) -> Snapshot:
+        """The cells at positions < ``pos`` (at least one), as :meth:`head` cuts them."""
+        count = sum(1 for p in self.positions if p < pos)
+        return self if count == len(self) else self.head(count)
+
     def nbytes(self) -> int:
         """Bytes of the stored cells: every layer's tensors (the bookkeeping not counted)."""
         return sum(_nbytes(t) for n, t in self.tensors.items() if n.startswith("layer."))
 
     def save(self, path: str | Path) -> None:
         """Write a safetensors file (atomically: a temporary file renamed over ``path``)."""
-        header = json.dumps(self.header, sort_keys=True)
-        meta = {HEADER_KEY: header, HASH_KEY: _digest(header, self.tensors)}
-        data = safetensors.torch.save(self.tensors, metadata=meta)
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        _write(path, self.header, self.tensors)
 
     @classmethod
     def load(cls, path: str | Path) -> Snapshot:
@@ -171,22 +178,7 @@ class Snapshot:
     @classmethod
     def from_bytes(cls, data: bytes, name: str = "snapshot") -> Snapshot:
         """A snapshot from a file's bytes (checked as :meth:`load` does)."""
-        meta = _metadata(data, name)
-        header_text = meta.get(HEADER_KEY)
-        if not isinstance(header_text, str):
-            raise SnapshotCorruptError(f"{name}: no {HEADER_KEY!r} metadata")
-        header = _json(header_text, name)
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise SnapshotVersionError(
-                f"{name}: format {header.get('format')!r} version {header.get('version')!r}, "
-                f"this kvcache reads {FORMAT!r} version {VERSION}"
-            )
-        try:
-            tensors = safetensors.torch.load(data)
-        except (safetensors.SafetensorError, ValueError, TypeError, RuntimeError) as e:
-            raise SnapshotCorruptError(f"{name}: unreadable tensors ({e})") from e
-        if meta.get(HASH_KEY) != _digest(header_text, tensors):
-            raise SnapshotCorruptError(f"{name}: SHA-256 mismatch (the file was changed)")
+        header, tensors = _read(data, name, FORMAT)
         _check_header(header, name)
         return cls(header, tensors)
 
@@ -442,6 +434,38 @@ def _metadata(data: bytes, name: str) -> dict[str, Any]:
     return meta
 
 
+def _write(path: str | Path, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file with the header and its SHA-256, atomically (a temporary renamed)."""
+    text = json.dumps(header, sort_keys=True)
+    meta = {HEADER_KEY: text, HASH_KEY: _digest(text, tensors)}
+    data = safetensors.torch.save(tensors, metadata=meta)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _read(data: bytes, name: str, fmt: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A snapshot file's header and tensors, its format, version and SHA-256 checked."""
+    meta = _metadata(data, name)
+    header_text = meta.get(HEADER_KEY)
+    if not isinstance(header_text, str):
+        raise SnapshotCorruptError(f"{name}: no {HEADER_KEY!r} metadata")
+    header = _json(header_text, name)
+    if header.get("format") != fmt or header.get("version") != VERSION:
+        raise SnapshotVersionError(
+            f"{name}: format {header.get('format')!r} version {header.get('version')!r}, "
+            f"this kvcache reads {fmt!r} version {VERSION}"
+        )
+    try:
+        tensors = safetensors.torch.load(data)
+    except (safetensors.SafetensorError, ValueError, TypeError, RuntimeError) as e:
+        raise SnapshotCorruptError(f"{name}: unreadable tensors ({e})") from e
+    if meta.get(HASH_KEY) != _digest(header_text, tensors):
+        raise SnapshotCorruptError(f"{name}: SHA-256 mismatch (the file was changed)")
+    return header, tensors
+
+
 def _json(text: str | bytes, name: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -464,3 +488,81 @@ def _digest(header: str, tensors: Mapping[str, torch.Tensor]) -> str:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# ---- a hybrid cache's snapshot (kvcache.wrapper.HybridCache) -------------------------------
+HYBRID_FORMAT = "kvcache.hybrid-snapshot"
+PARTS = ("full", "local")
+
+
+@dataclass(frozen=True)
+class HybridSnapshot:
+    """A sequence's cells in both parts of a hybrid cache: every position of the full
+    (global-layer) part, the last window of the local part; one file, each part checked
+    as a :class:`Snapshot` is."""
+
+    full: Snapshot
+    local: Snapshot
+
+    @property
+    def model_id(self) -> str:
+        return self.full.model_id
+
+    def __len__(self) -> int:
+        """Positions held (those of the full part)."""
+        return len(self.full)
+
+    @property
+    def positions(self) -> list[int]:
+        return self.full.positions
+
+    @property
+    def tokens(self) -> list[int] | None:
+        return self.full.tokens
+
+    def head(self, count: int) -> HybridSnapshot:
+        """The first ``count`` positions; InvalidArgumentError unless the local part still
+        holds the window before them (a head further back needs an older checkpoint)."""
+        if not self.local.resumes(count):
+            raise InvalidArgumentError(
+                "count", count, "a head whose local window the snapshot still holds"
+            )
+        return HybridSnapshot(self.full.head(count), self.local.head_before(count))
+
+    def nbytes(self) -> int:
+        return self.full.nbytes() + self.local.nbytes()
+
+    def save(self, path: str | Path) -> None:
+        """One safetensors file: each part's tensors under ``full/`` and ``local/``, both
+        headers and a SHA-256 over everything."""
+        tensors = {f"{part}/{k}": t for part in PARTS for k, t in self._part(part).tensors.items()}
+        header = {"format": HYBRID_FORMAT, "version": VERSION}
+        _write(path, header | {part: self._part(part).header for part in PARTS}, tensors)
+
+    def _part(self, part: str) -> Snapshot:
+        return self.full if part == "full" else self.local
+
+    @classmethod
+    def load(cls, path: str | Path) -> HybridSnapshot:
+        """Read a file written by :meth:`save`; any damage raises SnapshotCorruptError."""
+        name = str(path)
+        header, tensors = _read(Path(path).read_bytes(), name, HYBRID_FORMAT)
+        parts = []
+        for part in PARTS:
+            sub = header.get(part)
+            _check_header(sub, f"{name} ({part})")
+            prefix = f"{part}/"
+            own = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+            parts.append(Snapshot(sub, own))  # type: ignore[arg-type]
+        return cls(parts[0], parts[1])
+
+
+def load_any(path: str | Path) -> Snapshot | HybridSnapshot:
+    """A snapshot file of either kind (the header's format says which)."""
+    data = Path(path).read_bytes()
+    meta = _metadata(data, str(path))
+    text = meta.get(HEADER_KEY)
+    fmt = _json(text, str(path)).get("format") if isinstance(text, str) else None
+    if fmt == HYBRID_FORMAT:
+        return HybridSnapshot.load(path)
+    return Snapshot.from_bytes(data, str(path))

@@ -1,18 +1,24 @@
 """The wrapper cache: routes each layer to one of several caches.
 
 Whisper: ``WrapperCache(EncoderCache(), CausalCache(...))`` with cross-attention layers on
-type 0 and self-attention on type 1; hybrid models: a sliding-window cache and a full one.
+type 0 and self-attention on type 1; hybrid models (:class:`HybridCache`): a sliding-window
+cache and a full one.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvcache.batch import Batch
+from kvcache.causal import CausalCache
+from kvcache.codecs.base import Codec
 from kvcache.errors import InvalidArgumentError, KVCacheError, NotSupportedError
 from kvcache.protocol import Cache
+from kvcache.snapshot import HybridSnapshot, ModelId
 from kvcache.validate import int_arg
 
 
@@ -107,3 +113,100 @@ class WrapperCache:
     def close(self) -> None:
         for cache in self.caches:
             cache.close()
+
+
+class HybridCache(WrapperCache):
+    """A window cache for the local layers (type 0) and a full one for the global layers
+    (type 1), as Ollama builds Gemma 3's; the engine's bookkeeping (cells, positions, room)
+    reads the full part, which holds every position, while a prefix hit restores the local
+    part from a checkpoint (:mod:`kvcache.engine.checkpoints`)::
+
+        positions   0 .................................. n
+        full        [every cell, shared by prefix hits     ]
+        local                             [last window cells]
+    """
+
+    def __init__(self, local: CausalCache, full: CausalCache) -> None:
+        if local.window is None or full.window is not None:
+            raise InvalidArgumentError(
+                "caches", (local.window, full.window), "a sliding-window cache, then a full one"
+            )
+        super().__init__(local, full)
+        self.local = local
+        self.full = full
+
+    # ---- what the engine reads (the full part; room is the scarcer of the two) ---------
+    @property
+    def window(self) -> int:
+        """Positions before a row that the local layers see."""
+        assert self.local.window is not None
+        return self.local.window
+
+    @property
+    def num_cells(self) -> int:
+        return self.full.num_cells
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full.dtype
+
+    @property
+    def key_codec(self) -> Codec:
+        return self.full.key_codec
+
+    @property
+    def value_codec(self) -> Codec:
+        return self.full.value_codec
+
+    @property
+    def model_id(self) -> ModelId:
+        return self.full.model_id
+
+    def free_cells(self) -> int:
+        """Free cells of the part with fewer (the local part has room for a window a sequence)."""
+        return min(self.local.free_cells(), self.full.free_cells())
+
+    def used_cells(self) -> int:
+        return self.full.used_cells()
+
+    def cells_of(self, seq: int) -> np.ndarray:
+        return self.full.cells_of(seq)
+
+    def positions(self, seq: int) -> list[int]:
+        return self.full.positions(seq)
+
+    def sequences(self) -> list[int]:
+        return self.full.sequences()
+
+    def layers(self) -> list[int]:
+        return sorted(self.local.layers() + self.full.layers())
+
+    def layer_shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        part = self.full if layer in self.full.storage.layers else self.local
+        return part.layer_shapes(layer)
+
+    def held_bytes(self, seq: int | None = None) -> int:
+        return self.local.held_bytes(seq) + self.full.held_bytes(seq)
+
+    # ---- snapshots: both parts ----------------------------------------------------------
+    def snapshot(
+        self, seq: int, *, model_id: ModelId | None = None, tokens: Sequence[int] | None = None
+    ) -> HybridSnapshot:
+        """``seq``'s cells of both parts (the local part's last window, the full part's all)."""
+        full = self.full.snapshot(seq, model_id=model_id, tokens=tokens)
+        return HybridSnapshot(full, self.local.snapshot(seq, model_id=model_id))
+
+    def restore(
+        self, snapshot: HybridSnapshot, seq: int, *, model_id: ModelId | None = None
+    ) -> None:
+        """Both parts of ``snapshot`` as ``seq``; a failure of the local part undoes the full."""
+        if not isinstance(snapshot, HybridSnapshot):
+            raise InvalidArgumentError(
+                "snapshot", type(snapshot).__name__, "a HybridSnapshot (of a HybridCache)"
+            )
+        self.full.restore(snapshot.full, seq, model_id=model_id)
+        try:
+            self.local.restore(snapshot.local, seq, model_id=model_id)
+        except KVCacheError:
+            self.full.remove(seq, 0)
+            raise

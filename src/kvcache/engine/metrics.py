@@ -71,6 +71,19 @@ ENGINE_METRICS: tuple[Exported, ...] = (
         "press_skipped_total",
     ),
     Exported("prefix_blocks", "gauge", "Token blocks held by the prefix cache.", "prefix_blocks"),
+    Exported(
+        "checkpoints",
+        "gauge",
+        "Local-layer checkpoints held (hybrid models: sliding-window layers' last window).",
+        "checkpoints",
+    ),
+    Exported("checkpoint_bytes", "gauge", "Bytes the checkpoints hold.", "checkpoint_bytes"),
+    Exported(
+        "checkpoint_restores",
+        "counter",
+        "Prefix hits whose local layers were restored from a checkpoint.",
+        "checkpoint_restores_total",
+    ),
     Exported("requests_running", "gauge", "Requests in the running batch.", "running"),
     Exported("requests_queued", "gauge", "Requests waiting for a slot.", "queued"),
     Exported(

@@ -34,6 +34,8 @@ class EngineConfig:
     press: str | None = None  # kvcache.press spec applied after each prefill (no prefix reuse)
     press_cells: int | None = None  # with press: each request pressed back to this many cells
     press_every: int = 16  # ... every this many decode steps, once it holds more
+    checkpoints: int = 4  # hybrid models: local-layer checkpoints a sequence keeps (a ring)
+    checkpoint_every: int = 16  # ... one after each prompt chunk and every this many positions
 
     def __post_init__(self) -> None:
         config_int("capacity", self.capacity, 2)
@@ -54,6 +56,8 @@ class EngineConfig:
                 )
         optional_config_int("press_cells", self.press_cells, 1)
         config_int("press_every", self.press_every, 1)
+        config_int("checkpoints", self.checkpoints, 1)
+        config_int("checkpoint_every", self.checkpoint_every, 1)
         if self.press is not None:
             from kvcache.press import make_press
 

@@ -32,6 +32,7 @@ import torch
 
 from kvcache.batch import Batch
 from kvcache.causal import CausalCache
+from kvcache.engine.checkpoints import LocalCheckpoints, SharedCells
 from kvcache.engine.events import POOL, KVEvents, NoEvents
 from kvcache.engine.pressure import HolderEviction
 from kvcache.engine.request import Request
@@ -58,6 +59,7 @@ class NoReuse:
 
     def __init__(self, cache: CausalCache) -> None:
         self.cache = cache
+        self.resumer = SharedCells(cache)
 
     def attach(self, r: Request) -> None:
         if r.cached_tokens is None:
@@ -76,6 +78,9 @@ class NoReuse:
         return None
 
     def on_preempt(self, r: Request) -> None:
+        return None
+
+    def on_fed(self, r: Request, count: int) -> None:
         return None
 
     def release(self, r: Request) -> None:
@@ -126,8 +131,11 @@ class PrefixReuse:
         num_layers: int,
         store: BlockStore | None,
         eviction: HolderEviction,
+        resumer: SharedCells | LocalCheckpoints | None = None,
     ) -> None:
+        """``resumer``: how a hit takes over a holder's state (default: shared cells)."""
         self.cache = cache
+        self.resumer = SharedCells(cache) if resumer is None else resumer
         self.stats = stats
         self.block_size = block_size
         self.num_layers = num_layers
@@ -158,6 +166,7 @@ class PrefixReuse:
         for holder in list(self.index.holders):
             self.cache.remove(holder, 0)
         self.index.clear()
+        self.resumer.clear()
         if isinstance(self.store, MemoryStore):
             self.store.clear()
             self._published.clear()
@@ -184,10 +193,10 @@ class PrefixReuse:
             r.awaits = soon.holder
             return
         r.awaits = None
-        if local.holder is not None:
-            self.cache.copy_prefix(local.holder, r.seq, local.tokens)
-            r.fed = local.tokens
         blocks = local.blocks
+        if local.holder is not None:
+            r.fed, short = self.resumer.resume(local.holder, r.seq, local.tokens)
+            reason = short or reason
         if self.store is not None and blocks < len(hashes):
             loaded, store_reason = self._load_blocks(r, hashes[blocks:])
             blocks += loaded
@@ -195,7 +204,7 @@ class PrefixReuse:
         if r.cached_tokens is None:  # first start: count what was reused and why not more
             r.cached_tokens = min(r.fed, r.prompt_len)
             self.stats.reused_tokens += r.cached_tokens
-            miss = self._miss_reason(len(usable), hashes, blocks, reason)
+            miss = self._miss_reason(len(usable), hashes, blocks, reason, r.fed < local.tokens)
             if miss is not None:
                 self.stats.misses[miss] += 1
         if r.fed < len(r.context) - 1:  # others may wait for the blocks it computes now
@@ -218,14 +227,17 @@ class PrefixReuse:
     def _local_match(self, usable: list[int], hashes: list[bytes]) -> tuple[Match, str | None]:
         """The index's longest match whose holder can still be resumed from."""
         match = self.index.lookup(usable, hashes)
-        if match.holder is not None and not self.cache.can_resume(match.holder, match.tokens):
+        if match.holder is not None and not self.resumer.can_resume(match.holder, match.tokens):
             return NO_MATCH, "evicted"  # a sliding window forgot the prefix's cells
         return match, None
 
     def _miss_reason(
-        self, usable: int, hashes: list[bytes], blocks: int, reason: str | None
+        self, usable: int, hashes: list[bytes], blocks: int, reason: str | None, short: bool
     ) -> str | None:
-        """Why the reuse stopped after ``blocks`` blocks (None: everything usable reused)."""
+        """Why the reuse stopped after ``blocks`` blocks, or (``short``) before the hit it
+        found (None: everything usable reused)."""
+        if short:
+            return reason
         if blocks < len(hashes):
             if reason is not None:
                 return reason
@@ -304,12 +316,18 @@ class PrefixReuse:
         """``r`` drops positions from ``keep``: blocks from there on no longer describe it."""
         self.index.drop(r.seq, keep // self.block_size)
         self.pending.drop(r.seq, keep // self.block_size)
+        self.resumer.drop(r.seq)
 
     def on_preempt(self, r: Request) -> None:
         """``r`` loses its cells: it holds nothing and computes nothing any more."""
         self.index.drop(r.seq, 0)
         self.pending.drop(r.seq, 0)
         self._running.discard(r.seq)
+        self.resumer.drop(r.seq)
+
+    def on_fed(self, r: Request, count: int) -> None:
+        """``r`` just fed ``count`` tokens (a prompt chunk when more than one)."""
+        self.resumer.after_forward(r.seq, r.fed, count > 1)
 
     # ---- a request ends --------------------------------------------------------------
     def release(self, r: Request) -> None:
@@ -320,8 +338,10 @@ class PrefixReuse:
         if n == 0:
             self.index.drop(r.seq, 0)
             self.cache.remove(r.seq, 0)
+            self.resumer.drop(r.seq)
             return
         self.cache.remove(r.seq, n)
+        self.resumer.released(r.seq, n)
         self.index.insert(r.seq, r.context[:n], r.params.cache_salt)
         if self.store is not None:
             self.publish(r.seq, self.index.holders[r.seq])
@@ -359,13 +379,17 @@ class PrefixReuse:
                 medium = getattr(self.store, "medium", self.store.name.upper())
                 self.events.stored([hashes[i]], parent, content[0], medium, content[1])
 
-    def adopt(self, seq: int, tokens: Sequence[int]) -> int:
-        """``seq`` (cells restored from elsewhere: a session) becomes an idle holder of
-        ``tokens``' whole blocks; cells past them are freed. Returns the tokens indexed."""
+    def adopt(self, seq: int, tokens: Sequence[int], snapshot: object = None) -> int:
+        """``seq`` (cells restored from elsewhere: a session, ``snapshot``) becomes an idle
+        holder of ``tokens``' whole blocks; cells past them are freed. Returns the tokens
+        indexed."""
         n = self.index.insert(seq, tokens) * self.block_size
         self.cache.remove(seq, n)
         if n == 0:
             self.index.drop(seq, 0)
+            return 0
+        self.resumer.adopted(seq, snapshot)
+        self.resumer.released(seq, n)
         return n
 
     # ---- room ------------------------------------------------------------------------
@@ -379,6 +403,7 @@ class PrefixReuse:
             hashes = self.index.holders[holder]
             self.eviction.evict(self, holder, hashes)
             self.index.drop(holder, 0)
+            self.resumer.drop(holder)
             for h in hashes:
                 self._evicted[h] = None
                 self._evicted.move_to_end(h)

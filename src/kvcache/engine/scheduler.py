@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.batch import Batch
+from kvcache.engine.checkpoints import LocalCheckpoints
 from kvcache.engine.context import context_policy
 from kvcache.engine.params import EngineConfig, RequestParams
 from kvcache.engine.pressing import Pressing, fp16_row_bytes
@@ -50,10 +51,11 @@ from kvcache.engine.reuse import NoReuse, PrefixReuse, shared_prefix
 from kvcache.engine.spill import Parked
 from kvcache.engine.stats import MISS_REASONS, EngineStats
 from kvcache.engine.store import BlockStore
-from kvcache.errors import CacheFullError, InvalidArgumentError
+from kvcache.errors import CacheFullError, InvalidArgumentError, NotSupportedError
 from kvcache.models.llama import Llama
 from kvcache.models.sampling import sample
 from kvcache.text.tokenizer import Tokenizer
+from kvcache.wrapper import HybridCache
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ class Engine:
         self.cache = model.new_cache(
             c.capacity, max_sequences=c.pool, max_batch=c.max_batch, window=c.window, codec=c.codec
         )
+        resumer = self._resumer(c, store)
         self.stats = EngineStats()
         self.context = context_policy(c.context, c.capacity, c.kept_tokens, c.window)
         self.preemption = PREEMPTIONS[c.preemption](c.spill)
@@ -122,6 +125,7 @@ class Engine:
                 num_layers=model.config.num_layers,
                 store=store,
                 eviction=HOLDER_EVICTIONS[c.holder_eviction](),
+                resumer=resumer,
             )
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -129,6 +133,16 @@ class Engine:
         self._ids = itertools.count()
         self._seqs = itertools.count()
         self._admissions = itertools.count()
+
+    def _resumer(self, c: EngineConfig, store: BlockStore | None) -> LocalCheckpoints | None:
+        """A hybrid cache (the model's window layers beside full ones) resumes prefix hits
+        from local-layer checkpoints; what it cannot serve yet fails here, typed."""
+        if not isinstance(self.cache, HybridCache):
+            return None
+        if store is not None or c.press is not None:
+            what = "a block store" if store is not None else f"press={c.press!r}"
+            raise NotSupportedError(f"{what} on a hybrid (sliding-window + global) cache")
+        return LocalCheckpoints(self.cache, c.checkpoints, c.checkpoint_every)
 
     # ---- submitting (any thread) -----------------------------------------------------
     def submit(
@@ -365,6 +379,7 @@ class Engine:
         row = 0
         for r, count, samples in plan.slots:
             r.fed += count
+            self.reuse.on_fed(r, count)
             r.computed += count
             self.stats.computed_tokens += count
             if not samples:
@@ -472,6 +487,9 @@ class Engine:
             "store_errors_total": s.store_errors,
             "requests_finished_total": s.finished,
             "held_bytes": self.cache.held_bytes(),
+            "checkpoints": self.reuse.resumer.count(),
+            "checkpoint_bytes": self.reuse.resumer.nbytes(),
+            "checkpoint_restores_total": self.reuse.resumer.restores,
             "pressed_cells_total": s.pressed_cells,
             "press_skipped_total": s.press_skipped,
         }

@@ -19,6 +19,10 @@ MISS_REASONS: dict[str, str] = {
     "codec_mismatch": "the block store's entry holds another codec's K/V",
     "corrupt": "the block store's entry failed its format or checksum checks",
     "store_unavailable": "the block store could not be reached",
+    "no_checkpoint": "the holder's local (sliding-window) layers forgot the hit and no "
+    "checkpoint of theirs lies at or before it with the window before it held: all computed",
+    "checkpoint_behind": "the nearest local-layer checkpoint lies before the hit: the tokens "
+    "between it and the hit are computed",
 }
 
 

@@ -54,7 +54,7 @@ from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
 from kvcache.weights.bundled import gemma3_path
 from kvcache.weights.gguf import GGUFFile, Weight, stack_rows
-from kvcache.wrapper import WrapperCache
+from kvcache.wrapper import HybridCache, WrapperCache
 
 SLIDING, GLOBAL = 0, 1  # layer types: the WrapperCache's index of each layer's cache
 
@@ -259,11 +259,18 @@ class Gemma3:
         *,
         max_sequences: int = 1,
         max_batch: int | None = None,
+        window: int | None = None,
         codec: str | None = None,
-    ) -> WrapperCache:
+    ) -> HybridCache:
         """Ollama's Gemma 3 cache: a sliding-window cache for the sliding layers (it holds a
         sequence's last window + a forward's tokens) and a full one for the global layers,
-        each with its layers' RoPE as the shift; ``codec`` for both (a ``kvcache.codecs`` spec)."""
+        each with its layers' RoPE as the shift; ``codec`` for both (a ``kvcache.codecs`` spec).
+        ``window``: None (the model's layers say theirs; NotSupportedError otherwise)."""
+        if window is not None:
+            raise NotSupportedError(
+                f"window={window} on Gemma 3: its sliding layers' window is the model's "
+                f"({self.config.window}), its global layers attend to everything"
+            )
 
         def part(layer_type: int, window: int | None) -> CausalCache:
             cache = CausalCache(
@@ -278,7 +285,7 @@ class Gemma3:
             cache.model_id = self.model_id
             return cache
 
-        return WrapperCache(part(SLIDING, self.config.window), part(GLOBAL, None))
+        return HybridCache(part(SLIDING, self.config.window), part(GLOBAL, None))
 
     # ---- forward ---------------------------------------------------------------------
     def forward(
