@@ -7,9 +7,10 @@ instead, and prompts share their common prefix down to the token (``block_size=1
 ``kvcache generate -n 4`` computes the prompt once and the other three sequences wait for
 it and take its cells. ``kvcache serve`` runs the same engine with a server's settings.
 
-Gemma 3 (sliding-window and global layers over a wrapper cache) does not run on the engine
-yet: :func:`stream_tokens` decodes one sequence of it (or of any model with ``forward``)
-over a caller-owned cache, chunked prefill then one token a step.
+Gemma 3 (sliding-window and global layers over a hybrid cache) runs on the engine too, its
+prefix hits restoring the local layers from checkpoints (:mod:`kvcache.engine.checkpoints`);
+:func:`stream_tokens` decodes one sequence of any model with ``forward`` over a caller-owned
+cache, chunked prefill then one token a step.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvcache.errors import InvalidArgumentError, NotSupportedError
 from kvcache.models.llama import Llama, WeightKind, WeightReader
 from kvcache.models.sampling import SamplingParams, sample
 from kvcache.protocol import Cache
-from kvcache.snapshot import Snapshot
+from kvcache.snapshot import load_any
 from kvcache.text.tokenizer import Tokenizer
 from kvcache.weights.bundled import resolve_model
 from kvcache.weights.gguf import GGUFFile, peek_architecture
@@ -122,6 +123,7 @@ class Generator:
             press_every=press_every,
         )
         self.engine = Engine(model, tokenizer, config)
+        self.restore_seconds = 0.0  # reading and restoring session files
         self.results: dict[int, Completion] = {}
         self._requests: dict[int, Request] = {}
 
@@ -182,8 +184,11 @@ class Generator:
         """Restore the cells of a session file whose tokens start ``prompt``, as a prefix
         the prompt then shares; (tokens restored, tokens in the file). Raises SnapshotError
         (changing nothing) for a damaged file or another model's or codec's."""
-        snap = Snapshot.load(path)
-        return restore_session(self.engine, snap, prompt), len(snap)
+        start = time.perf_counter()
+        snap = load_any(path)
+        restored = restore_session(self.engine, snap, prompt)
+        self.restore_seconds += time.perf_counter() - start
+        return restored, len(snap)
 
     def save_session(self, path: str | Path, prompt: Sequence[int]) -> int:
         """Save the cells of the longest prefix of ``prompt`` held (after a run); tokens saved."""

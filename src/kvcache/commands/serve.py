@@ -60,7 +60,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     """Arguments of `kvcache serve`."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
-    parser.add_argument("--model", default=None, metavar="FILE", help="a Llama GGUF file")
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="FILE",
+        help="a GGUF file (architecture llama or gemma3) or a bundled model: smollm2 (default), "
+        "gemma3",
+    )
     parser.add_argument("--name", default=None, help="served model name (default: file stem)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (8000)")
@@ -148,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvcache.errors import KVCacheError
+    from kvcache.models.llama import Llama
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -158,13 +165,19 @@ def run(args: argparse.Namespace) -> int:
         weights = weights_kind(args)
         model, tokenizer = _load(path, weights)
         _check_context(config, model)
+        if not isinstance(model, Llama) and args.prefix_store == "memory":
+            store = None  # a hybrid model reuses prefixes from checkpoints, not stored blocks
     except KVCacheError as exc:
         print(f"kvcache serve: error: {exc}", file=sys.stderr)
         return 2
     from kvcache.engine.scheduler import Engine
 
     identity = model_identity(path, weights)
-    engine = Engine(model, tokenizer, config, model_id=identity, store=store)
+    try:
+        engine = Engine(model, tokenizer, config, model_id=identity, store=store)
+    except KVCacheError as exc:
+        print(f"kvcache serve: error: {exc}", file=sys.stderr)
+        return 2
     try:
         events = _publish_events(engine, args)
     except KVCacheError as exc:
@@ -253,25 +266,25 @@ def _open_store(spec: str) -> BlockStore | None:
 
 
 def _model_path(model: str | None) -> Path:
+    """A GGUF file or a bundled model's name (smollm2, the default, gemma3) -> the file."""
     from kvcache.errors import InvalidArgumentError
-    from kvcache.weights.gguf import smollm2_path
+    from kvcache.weights.bundled import BUNDLED, resolve_model
 
-    path = Path(model) if model else smollm2_path()
-    if not path.is_file():
-        raise InvalidArgumentError("--model", str(path), "an existing GGUF file")
-    return path
+    try:
+        return resolve_model(model)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            "--model", str(model), f"an existing GGUF file or one of {sorted(BUNDLED)}"
+        ) from None
 
 
 def _load(path: Path, weights: WeightKind) -> tuple[Llama, Tokenizer]:
-    """Tokenizer then weights (of kind ``weights``) from one read of the GGUF."""
-    from kvcache.models.llama import Llama
-    from kvcache.text.tokenizer import Tokenizer
-    from kvcache.weights.gguf import GGUFFile
+    """Tokenizer then weights (of kind ``weights``) from one read of the GGUF; the model
+    its architecture names (llama, gemma3: a typed error for another)."""
+    from kvcache.generate import load_model
 
-    with GGUFFile(path) as gguf:
-        tokenizer = Tokenizer.from_gguf(gguf)
-        gguf.release("tokenizer.")  # the parsed vocabulary, gone before the weights
-        return Llama.from_gguf(gguf, weights=weights), tokenizer
+    model, tokenizer = load_model(path, weights=weights)
+    return model, tokenizer
 
 
 def _check_context(config: EngineConfig, model: Llama) -> None:

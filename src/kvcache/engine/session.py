@@ -8,7 +8,9 @@ what follows the longest common prefix of the saved tokens and its prompt::
                                         shares them (an ordinary prefix hit), computes x y
 
 A session file is a :class:`~kvcache.snapshot.Snapshot` whose token ids sit at positions
-0..n-1; restoring checks the model, codec and every byte as any snapshot restore does.
+0..n-1 (a hybrid cache's: a :class:`~kvcache.snapshot.HybridSnapshot`, the global layers'
+cells and the local layers' checkpoint at n); restoring checks the model, codec and every
+byte as any snapshot restore does.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from typing import TYPE_CHECKING
 
 from kvcache.engine.reuse import PrefixReuse
 from kvcache.errors import InvalidArgumentError, NotSupportedError
-from kvcache.snapshot import Snapshot
+from kvcache.snapshot import HybridSnapshot, Snapshot
 
 if TYPE_CHECKING:
     from kvcache.engine.scheduler import Engine
 
 
-def restore_session(engine: Engine, snapshot: Snapshot, prompt: Sequence[int]) -> int:
+def restore_session(
+    engine: Engine, snapshot: Snapshot | HybridSnapshot, prompt: Sequence[int]
+) -> int:
     """Restore the cells of ``snapshot`` whose tokens start ``prompt`` (their longest common
     prefix; the file's tail is cut off, not restored) as an idle prefix holder of
     ``engine``; returns the tokens restored.
@@ -39,30 +43,26 @@ def restore_session(engine: Engine, snapshot: Snapshot, prompt: Sequence[int]) -
         )
     common = next((i for i, (a, b) in enumerate(zip(tokens, prompt, strict=False)) if a != b), None)
     common = min(len(tokens), len(prompt)) if common is None else common
+    if isinstance(snapshot, HybridSnapshot) and not snapshot.local.resumes(common):
+        return 0  # the local layers' window before the common prefix is not in the file
     if common == 0:
         return 0
     if common < len(snapshot):
         snapshot = snapshot.head(common)
     seq = engine.new_sequence()
-    engine.cache.restore(snapshot, seq, model_id=engine.model.model_id)
-    return reuse.adopt(seq, tokens[:common])
+    engine.cache.restore(snapshot, seq, model_id=engine.model.model_id)  # type: ignore[arg-type]
+    return reuse.adopt(seq, tokens[:common], snapshot)
 
 
-def session_snapshot(engine: Engine, tokens: list[int]) -> Snapshot | None:
+def session_snapshot(engine: Engine, tokens: list[int]) -> Snapshot | HybridSnapshot | None:
     """The cells of the longest prefix of ``tokens`` that the engine holds at positions
     0..n-1 (None: it holds none), to save as a session."""
     reuse = _reuse(engine)
     match = reuse.index.lookup(tokens)
     if match.holder is None or engine.cache.positions(match.holder)[:1] != [0]:
         return None  # nothing held, or a sliding window forgot the start
-    tmp = engine.new_sequence()
-    engine.cache.copy_prefix(match.holder, tmp, match.tokens)  # shares cells, copies nothing
-    try:
-        return engine.cache.snapshot(
-            tmp, model_id=engine.model.model_id, tokens=tokens[: match.tokens]
-        )
-    finally:
-        engine.cache.remove(tmp, 0)
+    held = tokens[: match.tokens]
+    return reuse.resumer.session(match.holder, held, engine.new_sequence())
 
 
 def _reuse(engine: Engine) -> PrefixReuse:
