@@ -584,6 +584,8 @@ def test_shared_system_prompt_is_reused_and_counted(served, smollm2):
         "codec_mismatch",
         "corrupt",
         "store_unavailable",
+        "no_checkpoint",
+        "checkpoint_behind",
     }
 
 
