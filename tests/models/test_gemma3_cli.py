@@ -60,7 +60,6 @@ def test_a_file_of_another_architecture_is_named(
     ("option", "named"),
     [
         (["-n", "2"], "-n/--parallel"),
-        (["--session", "s.kv"], "--session"),
         (["--window", "64"], "--window"),
         (["--press", "knorm:0.5"], "--press"),
     ],
