@@ -72,10 +72,13 @@ Quantized quantize(const float* x, int64_t M, int64_t K, int G) {
 #if KVK_AVX2
 // q_w . q_x over 32 codes as 8 int32 lanes (lane i: codes 4i..4i+3), exact: |q_w| as unsigned
 // times q_x with q_w's sign (no int16 pair overflows: 2 * 128 * 127 < 2^15)
+// (UNSIGNED: codes already 0..15, as Q4_1's and Q4_K's, need no sign moved; the same sums)
+template <bool UNSIGNED>
 inline __m256i dot32(const int8_t* w, const int8_t* x) {
   const __m256i wv = _mm256_loadu_si256((const __m256i*)w);
   const __m256i xv = _mm256_loadu_si256((const __m256i*)x);
-  const __m256i u = _mm256_sign_epi8(wv, wv), s = _mm256_sign_epi8(xv, wv);
+  const __m256i u = UNSIGNED ? wv : _mm256_sign_epi8(wv, wv);
+  const __m256i s = UNSIGNED ? xv : _mm256_sign_epi8(xv, wv);
 #if KVK_VNNI
   return KVK_DPBUSD(_mm256_setzero_si256(), u, s);
 #else
@@ -140,7 +143,7 @@ void dot_rows(const Decoded* w, const int8_t* xq, const float* xd, const int32_t
       const int8_t* xc = xq + b * G + 32 * c;
       KVK_UNROLL
       for (int r = 0; r < R; ++r) {
-        const __m256i p = dot32(w[r].q + b * G + 32 * c, xc);
+        const __m256i p = dot32<MIN>(w[r].q + b * G + 32 * c, xc);  // MIN types: 0..15
         if constexpr (G == 32) {
           ia[r] = p;
         } else {
