@@ -15,13 +15,15 @@ weight outlives the call (docs/design/weights.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
-from kvcache.kernels.build import cpu_float32, extension
+from kvcache.kernels.build import extension
 
 MAX_ROWS = 32  # rows up to which the int8 kernel serves a call (kernels.linear's bound)
 TILE = 4096  # weight rows dequantized at a time for prompt-sized inputs
@@ -67,13 +69,20 @@ class QuantizedWeight:
 
     parts: tuple[WeightPart, ...]
     in_features: int
+    _kinds: list[int] = field(init=False, repr=False, compare=False)
+    _data: list[torch.Tensor] = field(init=False, repr=False, compare=False)
+    _rows: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check(self)
+        # the kernel call's arguments, built once: a decode step makes ~120 calls
+        object.__setattr__(self, "_kinds", [p.kind.ggml for p in self.parts])
+        object.__setattr__(self, "_data", [p.data.contiguous() for p in self.parts])
+        object.__setattr__(self, "_rows", sum(p.data.shape[0] for p in self.parts))
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (sum(p.data.shape[0] for p in self.parts), self.in_features)
+        return (self._rows, self.in_features)
 
     @property
     def nbytes(self) -> int:
@@ -129,10 +138,6 @@ def _dequantize(part: WeightPart, ids: torch.Tensor, k: int) -> torch.Tensor:
     return extension("weights").dequantize_rows(part.kind.ggml, part.data.contiguous(), ids, k)
 
 
-def _args(weight: QuantizedWeight) -> tuple[list[int], list[torch.Tensor]]:
-    return [p.kind.ggml for p in weight.parts], [p.data.contiguous() for p in weight.parts]
-
-
 def _check_x(x: torch.Tensor, weight: QuantizedWeight, k: int) -> None:
     if x.shape[-1] != k:
         raise DimensionMismatchError(k, x.shape[-1], "x's last dim (the weight's K)")
@@ -141,8 +146,17 @@ def _check_x(x: torch.Tensor, weight: QuantizedWeight, k: int) -> None:
 def served(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     """Whether ``linear(x, weight)`` runs the int8 decode-row kernel (float32 CPU rows, at most
     MAX_ROWS of them, no autograd); anything else dequantizes into torch's GEMM."""
-    k = weight.in_features
-    return cpu_float32(x) and x.shape[-1] == k and 0 < x.numel() // k <= MAX_ROWS
+    return _fits(x, weight.in_features)
+
+
+def _fits(x: torch.Tensor, width: int) -> bool:
+    """Whether rows of ``width`` values in ``x`` are kernel-sized float32 CPU rows."""
+    ok = x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == width
+    return ok and 0 < x.numel() // width <= MAX_ROWS and not _grad(x)
+
+
+def _grad(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -163,13 +177,17 @@ def _kernel(
     glu: bool = False,
 ) -> torch.Tensor:
     """The C++ kernel on inputs ``served`` accepts (with ``glu``, x holds 2K per row)."""
-    k = weight.in_features
-    kinds, parts = _args(weight)
     r = _EMPTY if residual is None else residual.contiguous()
     w, eps = (_EMPTY, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
-    rows = x.reshape(-1, 2 * k if glu else k).contiguous()
-    y = extension("weights").qlinear_rows(rows, kinds, parts, r, w, eps, glu)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    flat = x.dim() == 2
+    rows = (x if flat else x.reshape(-1, x.shape[-1])).contiguous()
+    y = _ext().qlinear_rows(rows, weight._kinds, weight._data, r, w, eps, glu)
+    return y if flat else y.view(*x.shape[:-1], weight._rows)
+
+
+@functools.cache
+def _ext() -> Any:
+    return extension("weights")
 
 
 def _prefill(
@@ -200,16 +218,19 @@ def add_linear(
 ) -> torch.Tensor:
     """``residual + x @ W.T`` for ``residual`` [T, N], ``x`` [T, K] (with ``glu``, [T, 2K]:
     the product is of SwiGLU's ``silu(gate) * up``), one kernel call for decode-sized rows."""
+    k = weight.in_features
+    width = 2 * k if glu else k
+    if x.shape[-1] != width:
+        what = "x's last dim (2 K with glu: gate and up)" if glu else "x's last dim (the K)"
+        raise DimensionMismatchError(width, x.shape[-1], what)
+    if residual.shape != (x.shape[0], weight._rows):
+        raise DimensionMismatchError(
+            (x.shape[0], weight._rows), tuple(residual.shape), "residual shape"
+        )
+    if _fits(x, width) and _fits(residual, weight._rows):
+        return _kernel(x, weight, residual=residual, glu=glu)
     from kvcache.kernels.linear import swiglu
 
-    k = weight.in_features
-    _check_x(x[..., : x.shape[-1] // 2] if glu else x, weight, k)
-    if residual.shape != (x.shape[0], weight.shape[0]):
-        raise DimensionMismatchError(
-            (x.shape[0], weight.shape[0]), tuple(residual.shape), "residual shape"
-        )
-    if served(x[:, :k] if glu else x, weight) and cpu_float32(residual):
-        return _kernel(x, weight, residual=residual, glu=glu)
     return _prefill(swiglu(x) if glu else x, weight, residual)
 
 
@@ -218,10 +239,10 @@ def norm_linear(
 ) -> torch.Tensor:
     """``linear(rms_norm(x, norm_weight, eps), W)``: one kernel call for decode-sized rows,
     the bits of the two calls."""
-    from kvcache.kernels.linear import rms_norm
-
     k = weight.in_features
     _check_x(x, weight, k)
-    if served(x, weight) and cpu_float32(norm_weight) and norm_weight.shape == (k,):
+    if _fits(x, k) and norm_weight.shape == (k,) and _fits(norm_weight, k):
         return _kernel(x, weight, norm=(norm_weight, eps))
+    from kvcache.kernels.linear import rms_norm
+
     return linear(rms_norm(x, norm_weight, eps), weight)
