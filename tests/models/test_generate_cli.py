@@ -122,7 +122,15 @@ def test_help_is_instant_and_readable():
 
 
 def test_kv_codec_option(capsys: pytest.CaptureFixture[str]):
-    args = ("--temperature", "0", "--max-new-tokens", "12", "The capital of France is")
+    args = (
+        "--weights",
+        "fp32",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+        "The capital of France is",
+    )
     code, plain = run_cli(capsys, *args)
     assert code == 0
     code, int8 = run_cli(capsys, "--kv-codec", "int8", *args)
