@@ -8,91 +8,38 @@ freed; /metrics parses as Prometheus text; engine failures answer 500, never han
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from greedy_reference import random_prompt
 from kvcache.cli import main as cli_main
 from kvcache.commands.serve import model_identity
-from kvcache.engine.loop import EngineLoop
 from kvcache.engine.metrics import EngineCollector, RateMeter
 from kvcache.engine.params import EngineConfig, RequestParams
 from kvcache.engine.scheduler import Engine
-from kvcache.engine.server import ServerState, create_app
 from kvcache.models.llama import Llama
 from kvcache.text.tokenizer import Tokenizer
 from kvcache.weights.gguf import GGUFFile, smollm2_path
+from serving import TIMEOUT, Served, serving
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-test"
 CAPACITY = 256
-TIMEOUT = 60.0  # seconds any one HTTP call may take before the test fails (never a hang)
 SYSTEM = (
     "You are a terse assistant for a key-value cache library. Answer in one short sentence, "
     "name the component involved, and never apologise. Cells hold keys and values of tokens; "
     "a prefix index shares whole blocks of them between requests with the same prompt start."
 )
-
-
-@dataclass
-class Served:
-    """A running server: its URL and the engine behind it (inspected directly by tests)."""
-
-    url: str
-    engine: Engine
-    loop: EngineLoop
-    state: ServerState
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
-        )
-
-    def cancelled(self) -> int:
-        return self.state.prometheus.finishes().get("cancelled", 0)
-
-    def wait_idle(self, timeout: float = TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while self.engine.busy:
-            assert time.monotonic() < deadline, "the engine is still busy"
-            time.sleep(0.05)
-
-
-@contextlib.contextmanager
-def serving(engine: Engine, tokenizer: Tokenizer) -> Iterator[Served]:
-    """uvicorn on 127.0.0.1, port chosen by the OS, in a thread; stopped whatever happens."""
-    loop = EngineLoop(engine)
-    app = create_app(loop, tokenizer, model_name=MODEL)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive(), "uvicorn exited at start-up"
-            assert time.monotonic() < deadline, "uvicorn did not start in 30 s"
-            time.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield Served(f"http://127.0.0.1:{port}", engine, loop, app.state.kvcache)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        loop.close()
-        assert not thread.is_alive(), "uvicorn did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +59,7 @@ def new_engine(model: Any, tokenizer: Tokenizer) -> Engine:
 def served(smollm2: tuple[Llama, Tokenizer]) -> Iterator[Served]:
     engine = new_engine(*smollm2)
     try:
-        with serving(engine, smollm2[1]) as s:
+        with serving(engine, smollm2[1], MODEL) as s:
             yield s
     finally:
         engine.close()
@@ -683,7 +630,7 @@ def test_engine_failure_is_a_500_not_a_hang(smollm2):
     failing = FailingModel(model)
     engine = new_engine(failing, tokenizer)
     try:
-        with serving(engine, tokenizer) as s:
+        with serving(engine, tokenizer, MODEL) as s:
             body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
             r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=TIMEOUT)
             assert r.status_code == 500
@@ -713,7 +660,7 @@ def test_stopped_engine_answers_503_and_in_flight_requests_500(smollm2):
     model, tokenizer = smollm2
     engine = new_engine(model, tokenizer)
     try:
-        with serving(engine, tokenizer) as s:
+        with serving(engine, tokenizer, MODEL) as s:
             body = {"model": MODEL, "stream": True, **LONG}
             with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
                 lines = r.iter_lines()

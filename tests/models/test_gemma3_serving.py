@@ -6,24 +6,20 @@ restored and computed tokens and the restore time, not a rate over one token).""
 from __future__ import annotations
 
 import re
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 import kvcache.generate
 from kvcache.cli import main
-from kvcache.engine.loop import EngineLoop
 from kvcache.engine.params import EngineConfig
 from kvcache.engine.scheduler import Engine
-from kvcache.engine.server import create_app
 from kvcache.models.gemma3 import Gemma3
 from kvcache.text.tokenizer import Tokenizer
+from serving import serving
 
 pytestmark = pytest.mark.slow
 
@@ -40,21 +36,10 @@ def server(gemma3: Gemma3, gemma3_tokenizer: Tokenizer) -> Iterator[str]:
     """The engine of ``kvcache serve`` (its sizes) behind uvicorn in a thread on 127.0.0.1."""
     config = EngineConfig(capacity=1024, max_sequences=2, max_batch=256)
     engine = Engine(gemma3, gemma3_tokenizer, config, model_id="gemma3-test")
-    loop = EngineLoop(engine)
-    app = create_app(loop, gemma3_tokenizer, model_name="gemma3")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn-gemma3", daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        with serving(engine, gemma3_tokenizer, "gemma3") as s:
+            yield s.url
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        loop.close()
         engine.close()
 
 
