@@ -193,7 +193,9 @@ def test_cached_decoding_equals_the_uncached_forward(pair: tuple[str, Any, Any, 
     p, q = torch.log_softmax(full.double(), -1), torch.log_softmax(cached.double(), -1)
     kl = (p.exp() * (p - q)).sum(-1)
     print(f"{name}: cached vs uncached KL per decode row, max {float(kl.max()):.2e}")
-    assert float(kl.max()) < 5e-3
+    # each row within the protocol's bound on the mean: a row's KL moves by ~2e-3 when one
+    # float32 rounding of the kernel changes (the int8 step of the activations amplifies it)
+    assert float(kl.max()) < KL_BOUND[name]
     assert torch.equal(full.argmax(-1), cached.argmax(-1))
 
 

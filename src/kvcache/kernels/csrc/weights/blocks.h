@@ -92,78 +92,76 @@ inline __m256i bits32_to_16s(uint32_t bits) {
 inline void store32(int8_t* q, __m256i v) { _mm256_storeu_si256((__m256i*)q, v); }
 #endif
 
-// Decode block b of a row (src: the block's bytes) into o at block b; the vector and the plain
-// unpacking give the same codes (the dequantizer's tests check both builds against gguf).
 template <int KIND>
-inline void decode_block(const uint8_t* src, int64_t b, const Decoded& o) {
+constexpr int block_values() {
+  return KIND == Q4_K || KIND == Q6_K ? 256 : 32;
+}
+
+template <int KIND>
+constexpr int block_bytes() {
+  return KIND == Q4_0 ? 18 : KIND == Q4_1 ? 20 : KIND == Q5_0 ? 22 : KIND == Q8_0 ? 34
+                        : KIND == Q4_K ? 144 : 210;
+}
+
+// A block's factors (src: its bytes) into o at block b: d, and dm, sc, mn where it has them.
+template <int KIND>
+inline void block_scalars(const uint8_t* src, int64_t b, const Decoded& o) {
   if constexpr (KIND == Q4_0 || KIND == Q4_1 || KIND == Q5_0 || KIND == Q8_0) {
-    int8_t* q = o.q + b * 32;
     o.d[b] = half_to_float(load16(src));
-    if constexpr (KIND == Q8_0) {
-      std::memcpy(q, src + 2, 32);
-    } else if constexpr (KIND == Q5_0) {
-      uint32_t qh;
-      std::memcpy(&qh, src + 2, 4);
-      const uint8_t* qs = src + 6;
-#if KVK_AVX2
-      const __m256i five = _mm256_or_si256(nibbles16(qs), bits32_to_16s(qh));
-      store32(q, _mm256_sub_epi8(five, _mm256_set1_epi8(16)));
-#else
-      for (int j = 0; j < 16; ++j) {
-        q[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
-        q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
-      }
-#endif
-    } else {
-      const uint8_t* qs = src + (KIND == Q4_1 ? 4 : 2);
-      const int off = KIND == Q4_1 ? 0 : 8;
-#if KVK_AVX2
-      store32(q, _mm256_sub_epi8(nibbles16(qs), _mm256_set1_epi8((char)off)));
-#else
-      for (int j = 0; j < 16; ++j) {
-        q[j] = (int8_t)((qs[j] & 15) - off);
-        q[j + 16] = (int8_t)((qs[j] >> 4) - off);
-      }
-#endif
-    }
     if constexpr (KIND == Q4_1) {
       o.dm[b] = half_to_float(load16(src + 2));
       o.mn[b] = 1;
     }
   } else if constexpr (KIND == Q4_K) {
-    int8_t* q = o.q + b * 256;
     o.d[b] = half_to_float(load16(src));
     o.dm[b] = -half_to_float(load16(src + 2));
-    const uint8_t* s = src + 4;
     for (int j = 0; j < 8; ++j) {
       int32_t sc, m;
-      q4k_scale_min(s, j, &sc, &m);
+      q4k_scale_min(src + 4, j, &sc, &m);
       o.sc[b * 16 + 2 * j] = o.sc[b * 16 + 2 * j + 1] = sc;
       o.mn[b * 8 + j] = m;
     }
-    const uint8_t* qs = src + 16;
-#if KVK_AVX2
-    const __m256i m4 = _mm256_set1_epi8(15);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-      store32(q + 64 * c, _mm256_and_si256(v, m4));
-      store32(q + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-    }
-#else
-    for (int c = 0; c < 4; ++c)
-      for (int l = 0; l < 32; ++l) {
-        q[64 * c + l] = (int8_t)(qs[32 * c + l] & 15);
-        q[64 * c + 32 + l] = (int8_t)(qs[32 * c + l] >> 4);
-      }
-#endif
   } else {  // Q6_K: ql [128], qh [64], scales int8 [16], d
-    int8_t* q = o.q + b * 256;
-    const uint8_t* ql = src;
-    const uint8_t* qh = src + 128;
     const int8_t* s = reinterpret_cast<const int8_t*>(src + 192);
     o.d[b] = half_to_float(load16(src + 208));
     for (int j = 0; j < 16; ++j) o.sc[b * 16 + j] = s[j];
+  }
+}
+
 #if KVK_AVX2
+// Codes c * 32 .. c * 32 + 31 of a block (src: its bytes), in registers: what the kernels dot
+// and what block_codes stores, from one expression per layout (Q6_K's: block_codes, whose
+// loop shares its loads between four runs; qlinear stages Q6_K rows).
+template <int KIND>
+inline __m256i codes32(const uint8_t* src, int c) {
+  if constexpr (KIND == Q8_0) {
+    return _mm256_loadu_si256((const __m256i*)(src + 2));
+  } else if constexpr (KIND == Q5_0) {
+    uint32_t qh;
+    std::memcpy(&qh, src + 2, 4);
+    const __m256i five = _mm256_or_si256(nibbles16(src + 6), bits32_to_16s(qh));
+    return _mm256_sub_epi8(five, _mm256_set1_epi8(16));
+  } else if constexpr (KIND == Q4_0) {
+    return _mm256_sub_epi8(nibbles16(src + 2), _mm256_set1_epi8(8));
+  } else if constexpr (KIND == Q4_1) {
+    return nibbles16(src + 4);
+  } else {  // Q4_K: 32 bytes of nibbles per 64 codes, low then high
+    static_assert(KIND == Q4_K, "Q6_K's codes are unpacked by block_codes");
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(src + 16 + 32 * (c / 2)));
+    const __m256i m4 = _mm256_set1_epi8(15);
+    return _mm256_and_si256(c % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+  }
+}
+#endif
+
+// A block's codes (src: its bytes) into q [G]; the vector and the plain unpacking give the
+// same codes (the dequantizer's tests check both builds against gguf).
+template <int KIND>
+inline void block_codes(const uint8_t* src, int8_t* q) {
+#if KVK_AVX2
+  if constexpr (KIND == Q6_K) {
+    const uint8_t* ql = src;
+    const uint8_t* qh = src + 128;
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     const __m256i m2_2 = _mm256_set1_epi8(12), m2_4 = _mm256_set1_epi8(48);
     const __m256i bias = _mm256_set1_epi8(32);
@@ -184,7 +182,38 @@ inline void decode_block(const uint8_t* src, int64_t b, const Decoded& o) {
       store32(o6 + 64, _mm256_sub_epi8(_mm256_or_si256(n2, hi2), bias));
       store32(o6 + 96, _mm256_sub_epi8(_mm256_or_si256(n3, hi3), bias));
     }
+  } else {
+    KVK_UNROLL
+    for (int c = 0; c < block_values<KIND>() / 32; ++c) store32(q + 32 * c, codes32<KIND>(src, c));
+  }
 #else
+  if constexpr (KIND == Q8_0) {
+    std::memcpy(q, src + 2, 32);
+  } else if constexpr (KIND == Q5_0) {
+    uint32_t qh;
+    std::memcpy(&qh, src + 2, 4);
+    const uint8_t* qs = src + 6;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+      q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+  } else if constexpr (KIND == Q4_0 || KIND == Q4_1) {
+    const uint8_t* qs = src + (KIND == Q4_1 ? 4 : 2);
+    const int off = KIND == Q4_1 ? 0 : 8;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (int8_t)((qs[j] & 15) - off);
+      q[j + 16] = (int8_t)((qs[j] >> 4) - off);
+    }
+  } else if constexpr (KIND == Q4_K) {
+    const uint8_t* qs = src + 16;
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        q[64 * c + l] = (int8_t)(qs[32 * c + l] & 15);
+        q[64 * c + 32 + l] = (int8_t)(qs[32 * c + l] >> 4);
+      }
+  } else {
+    const uint8_t* ql = src;
+    const uint8_t* qh = src + 128;
     for (int h = 0; h < 2; ++h)  // 128 values a half: 2 nibbles of ql, 4 bit pairs of qh
       for (int i = 0; i < 32; ++i) {
         const int l0 = ql[h * 64 + i], l1 = ql[h * 64 + 32 + i], hb = qh[h * 32 + i];
@@ -193,21 +222,18 @@ inline void decode_block(const uint8_t* src, int64_t b, const Decoded& o) {
         q[h * 128 + 64 + i] = (int8_t)(((l0 >> 4) | (((hb >> 4) & 3) << 4)) - 32);
         q[h * 128 + 96 + i] = (int8_t)(((l1 >> 4) | (((hb >> 6) & 3) << 4)) - 32);
       }
-#endif
   }
+#endif
 }
 
 // Decode a row of K weights (K a multiple of the block's values).
 template <int KIND>
 inline void decode_row_t(const uint8_t* src, int64_t K, const Decoded& o) {
-  constexpr int G = KIND == Q4_K || KIND == Q6_K ? 256 : 32;
-  constexpr int NBYTES = KIND == Q4_0   ? 18
-                         : KIND == Q4_1 ? 20
-                         : KIND == Q5_0 ? 22
-                         : KIND == Q8_0 ? 34
-                         : KIND == Q4_K ? 144
-                                        : 210;
-  for (int64_t b = 0; b < K / G; ++b) decode_block<KIND>(src + b * NBYTES, b, o);
+  constexpr int G = block_values<KIND>(), NBYTES = block_bytes<KIND>();
+  for (int64_t b = 0; b < K / G; ++b) {
+    block_scalars<KIND>(src + b * NBYTES, b, o);
+    block_codes<KIND>(src + b * NBYTES, o.q + b * G);
+  }
 }
 
 inline void decode_row(int kind, const uint8_t* src, int64_t K, const Decoded& o) {

@@ -74,8 +74,7 @@ Quantized quantize(const float* x, int64_t M, int64_t K, int G) {
 // times q_x with q_w's sign (no int16 pair overflows: 2 * 128 * 127 < 2^15)
 // (UNSIGNED: codes already 0..15, as Q4_1's and Q4_K's, need no sign moved; the same sums)
 template <bool UNSIGNED>
-inline __m256i dot32(const int8_t* w, const int8_t* x) {
-  const __m256i wv = _mm256_loadu_si256((const __m256i*)w);
+inline __m256i dot32(__m256i wv, const int8_t* x) {
   const __m256i xv = _mm256_loadu_si256((const __m256i*)x);
   const __m256i u = UNSIGNED ? wv : _mm256_sign_epi8(wv, wv);
   const __m256i s = UNSIGNED ? xv : _mm256_sign_epi8(xv, wv);
@@ -119,13 +118,47 @@ float dot_row(const Decoded& w, const int8_t* xq, const float* xd, const int32_t
 }
 #endif
 
+constexpr int RB = 4;  // weight rows decoded together and met by each x row
+
 #if KVK_AVX2
+// R weight rows as dot_rows reads them, staged: decoded rows (decode_row)
+template <int G>
+struct StagedRows {
+  const Decoded* w;
+  void block(int, int64_t) {}
+  __m256i codes(int r, int64_t b, int c) const {
+    return _mm256_loadu_si256((const __m256i*)(w[r].q + b * G + 32 * c));
+  }
+  float d(int r, int64_t b) const { return w[r].d[b]; }
+  float dm(int r, int64_t b) const { return w[r].dm[b]; }
+  const int32_t* sc(int r, int64_t b) const { return w[r].sc + b * 16; }
+  const int32_t* mn(int r, int64_t b) const { return w[r].mn + b * (G / 32); }
+};
+
+// R weight rows straight from their blocks (src[r]): a block's factors read as it is reached,
+// its codes unpacked into registers (codes32), no staged row (a decode step's one x row)
+template <int KIND, int R>
+struct BlockRows {
+  static constexpr int NB = block_bytes<KIND>();
+  const uint8_t* const* src;
+  float d_[R], dm_[R];
+  int32_t sc_[R][16], mn_[R][8];
+  void block(int r, int64_t b) {
+    block_scalars<KIND>(src[r] + b * NB, 0, Decoded{nullptr, d_ + r, dm_ + r, sc_[r], mn_[r]});
+  }
+  __m256i codes(int r, int64_t b, int c) const { return codes32<KIND>(src[r] + b * NB, c); }
+  float d(int r, int64_t) const { return d_[r]; }
+  float dm(int r, int64_t) const { return dm_[r]; }
+  const int32_t* sc(int r, int64_t) const { return sc_[r]; }
+  const int32_t* mn(int r, int64_t) const { return mn_[r]; }
+};
+
 // y[r] = W's rows r < R . x's row: each x vector loaded once for R weight rows; each row's
 // float32 sums kept in 8 lanes (a block's 8 integer lanes scaled, then added), summed at the
-// end. A row's operations do not depend on R or on the other rows: the same bits in any block.
-template <int G, bool MIN, int R>
-void dot_rows(const Decoded* w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
-              float* y, int64_t ldy) {
+// end. A row's operations do not depend on R, on the other rows or on where its codes come
+// from (staged or straight from the blocks): the same bits in any case.
+template <int G, bool MIN, int R, class W>
+void dot_rows(W& w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K, float* y) {
   __m256 acc[R];
   float accm[R];
   KVK_UNROLL
@@ -137,17 +170,20 @@ void dot_rows(const Decoded* w, const int8_t* xq, const float* xd, const int32_t
     const float dx = xd[b];
     __m256i ia[R];
     KVK_UNROLL
-    for (int r = 0; r < R; ++r) ia[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) {
+      w.block(r, b);
+      ia[r] = _mm256_setzero_si256();
+    }
     KVK_UNROLL
     for (int c = 0; c < G / 32; ++c) {
       const int8_t* xc = xq + b * G + 32 * c;
       KVK_UNROLL
       for (int r = 0; r < R; ++r) {
-        const __m256i p = dot32<MIN>(w[r].q + b * G + 32 * c, xc);  // MIN types: 0..15
+        const __m256i p = dot32<MIN>(w.codes(r, b, c), xc);  // MIN types: 0..15
         if constexpr (G == 32) {
           ia[r] = p;
         } else {
-          const int32_t* sc = w[r].sc + b * 16 + 2 * c;
+          const int32_t* sc = w.sc(r, b) + 2 * c;
           const __m256i s = _mm256_set_m128i(_mm_set1_epi32(sc[1]), _mm_set1_epi32(sc[0]));
           ia[r] = _mm256_add_epi32(ia[r], _mm256_mullo_epi32(p, s));
         }
@@ -155,21 +191,51 @@ void dot_rows(const Decoded* w, const int8_t* xq, const float* xd, const int32_t
     }
     KVK_UNROLL
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_set1_ps(w[r].d[b] * dx), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_set1_ps(w.d(r, b) * dx), acc[r]);
       if constexpr (MIN) {
+        const int32_t* mn = w.mn(r, b);
         int32_t ms = 0;
         KVK_UNROLL
-        for (int j = 0; j < G / 32; ++j) ms += w[r].mn[b * (G / 32) + j] * xs[b * (G / 32) + j];
-        accm[r] += (w[r].dm[b] * dx) * (float)ms;
+        for (int j = 0; j < G / 32; ++j) ms += mn[j] * xs[b * (G / 32) + j];
+        // fused by hand: -ffp-contract=fast may fuse it in one instance and not in another
+        accm[r] = std::fma(w.dm(r, b) * dx, (float)ms, accm[r]);
       }
     }
   }
   KVK_UNROLL
-  for (int r = 0; r < R; ++r) y[r * ldy] = hsum8(acc[r]) + accm[r];
+  for (int r = 0; r < R; ++r) y[r] = hsum8(acc[r]) + accm[r];
+}
+
+template <int KIND, int R>
+void block_dot_rows(const uint8_t* const* src, const int8_t* xq, const float* xd,
+                    const int32_t* xs, int64_t K, float* y) {
+  BlockRows<KIND, R> w{src, {}, {}, {}, {}};
+  dot_rows<block_values<KIND>(), KIND == Q4_1 || KIND == Q4_K, R>(w, xq, xd, xs, K, y);
+}
+
+// every row of a part against the one x row, RB rows an item (a tail row by row)
+template <int KIND>
+void direct_rows(const uint8_t* data, int64_t rows, int64_t row_bytes, const Quantized& a,
+                 int64_t K, float* y) {
+  const int8_t* xq = a.q.data_ptr<int8_t>();
+  const float* xd = a.d.data_ptr<float>();
+  const int32_t* xs = a.s.data_ptr<int32_t>();
+  const int64_t blocks = (rows + RB - 1) / RB;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K));  // ~16 K weights an item
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n = blk * RB, c = std::min<int64_t>(RB, rows - n);
+      const uint8_t* src[RB];
+      for (int64_t r = 0; r < c; ++r) src[r] = data + (n + r) * row_bytes;
+      if (c == RB) {
+        block_dot_rows<KIND, RB>(src, xq, xd, xs, K, y + n);
+      } else {
+        for (int64_t r = 0; r < c; ++r) block_dot_rows<KIND, 1>(src + r, xq, xd, xs, K, y + n + r);
+      }
+    }
+  });
 }
 #endif
-
-constexpr int RB = 4;  // weight rows decoded together and met by each x row
 
 // y[m * ldy + r] for the c <= RB decoded rows w and every x row m
 template <int G, bool MIN>
@@ -181,11 +247,12 @@ void block_rows(int64_t c, const Decoded* w, const int8_t* xq, const float* xd,
     const int32_t* s = xs + m * (K / 32);
     float* out = y + m * ldy;
 #if KVK_AVX2
+    StagedRows<G> rows{w};
     switch (c) {
-      case 4: dot_rows<G, MIN, 4>(w, q, d, s, K, out, 1); break;
-      case 3: dot_rows<G, MIN, 3>(w, q, d, s, K, out, 1); break;
-      case 2: dot_rows<G, MIN, 2>(w, q, d, s, K, out, 1); break;
-      default: dot_rows<G, MIN, 1>(w, q, d, s, K, out, 1); break;
+      case 4: dot_rows<G, MIN, 4>(rows, q, d, s, K, out); break;
+      case 3: dot_rows<G, MIN, 3>(rows, q, d, s, K, out); break;
+      case 2: dot_rows<G, MIN, 2>(rows, q, d, s, K, out); break;
+      default: dot_rows<G, MIN, 1>(rows, q, d, s, K, out); break;
     }
 #else
     for (int64_t r = 0; r < c; ++r) out[r] = dot_row<G, MIN>(w[r], q, d, s, K);
@@ -222,6 +289,19 @@ void part_rows(int kind, const at::Tensor& data, const Quantized& a, int64_t M, 
   const BlockTraits t = traits(kind);
   const uint8_t* p = data.data_ptr<uint8_t>();
   const int64_t rows = data.size(0), rb = data.size(1);
+#if KVK_AVX2
+  // a decode step: dots straight from the blocks where that measured faster than a staged
+  // row (not Q8_0's or Q6_K's: docs/design/weights.md)
+  if (M == 1) {
+    switch (kind) {
+      case Q4_0: return direct_rows<Q4_0>(p, rows, rb, a, K, y);
+      case Q4_1: return direct_rows<Q4_1>(p, rows, rb, a, K, y);
+      case Q5_0: return direct_rows<Q5_0>(p, rows, rb, a, K, y);
+      case Q4_K: return direct_rows<Q4_K>(p, rows, rb, a, K, y);
+      default: break;
+    }
+  }
+#endif
   if (t.values == 32) {
     if (t.min) rows_t<32, true>(kind, p, rows, rb, a, M, K, y, ldy);
     else rows_t<32, false>(kind, p, rows, rb, a, M, K, y, ldy);
