@@ -6,7 +6,8 @@
 // codes (blocks.h's decoded form), scaled in float32:
 //   y[m, n] = sum_b  d_w[b] * d_x[b] * sum_16 sc * (q_w . q_x)  +  dm_w[b] * d_x[b] * sum_32 mn * s_x
 // (s_x: the sum of 32 activation codes). An item is a run of weight rows; each row is decoded
-// once into L1 and met by every input row, so the weights are read once a call. Every output
+// once into L1 and met by every input row (one input row meets Q4_0 / Q4_1 / Q5_0 / Q4_K rows
+// straight from their blocks), so the weights are read once a call. Every output
 // is the same sums in the same order whatever M, the row's place in the batch or the thread
 // count: a row's result does not depend on the rows decoded beside it.
 #include <ATen/Parallel.h>
@@ -120,8 +121,14 @@ float dot_row(const Decoded& w, const int8_t* xq, const float* xd, const int32_t
 
 constexpr int RB = 4;  // weight rows decoded together and met by each x row
 
+// items of RB weight rows over the threads (~16 K weights an item): f(first, last item)
+template <class F>
+void over_items(int64_t rows, int64_t K, const F& f) {
+  at::parallel_for(0, (rows + RB - 1) / RB, std::max<int64_t>(1, 16384 / (RB * K)), f);
+}
+
 #if KVK_AVX2
-// R weight rows as dot_rows reads them, staged: decoded rows (decode_row)
+// weight rows as dot_rows reads them, staged: rows decoded by decode_row
 template <int G>
 struct StagedRows {
   const Decoded* w;
@@ -220,9 +227,7 @@ void direct_rows(const uint8_t* data, int64_t rows, int64_t row_bytes, const Qua
   const int8_t* xq = a.q.data_ptr<int8_t>();
   const float* xd = a.d.data_ptr<float>();
   const int32_t* xs = a.s.data_ptr<int32_t>();
-  const int64_t blocks = (rows + RB - 1) / RB;
-  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K));  // ~16 K weights an item
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  over_items(rows, K, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n = blk * RB, c = std::min<int64_t>(RB, rows - n);
       const uint8_t* src[RB];
@@ -266,9 +271,7 @@ void rows_t(int kind, const uint8_t* data, int64_t rows, int64_t row_bytes, cons
   const int8_t* xq = a.q.data_ptr<int8_t>();
   const float* xd = a.d.data_ptr<float>();
   const int32_t* xs = a.s.data_ptr<int32_t>();
-  const int64_t blocks = (rows + RB - 1) / RB;
-  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K));  // ~16 K weights an item
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  over_items(rows, K, [&](int64_t begin, int64_t end) {
     std::vector<int8_t> q(RB * K);
     std::vector<float> d(RB * K / 32), dm(RB * K / 32);
     std::vector<int32_t> sc(RB * K / 16), mn(RB * K / 32);
