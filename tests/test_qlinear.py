@@ -30,15 +30,29 @@ from kvcache.kernels import linear as L
 from kvcache.kernels import qlinear as Q
 
 TYPES = list(Q.BLOCK_TYPES)
+# every layout the kernels read: the GGUF rows of each type, and Q4_0 / Q4_1 rows interleaved
+# by 8 ("x8", how the loaders hand layer weights to the decode kernels)
+KINDS = TYPES + [n + "x8" for n in Q.INTERLEAVED]
 # byte offsets of each block's float16 fields (scales d, then the minimum's factor)
 HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 # byte offsets of the minimum's factor (zeroed to get A_k's code term)
 MINS = {"Q4_1": 2, "Q4_K": 2}
 
 
+def base(name: str) -> str:
+    """The GGUF type of a layout name ("Q4_1x8" -> "Q4_1")."""
+    return name.removesuffix("x8")
+
+
+def fit(name: str, rows: int) -> int:
+    """``rows`` rounded down to whole groups of 8 for an interleaved layout."""
+    return rows // 8 * 8 if name.endswith("x8") else rows
+
+
 def random_blocks(name: str, rows: int, k: int, seed: int, extreme: bool = False) -> np.ndarray:
-    """uint8 [rows, k / values * nbytes]: random codes, finite random float16 scales (with
-    ``extreme``, also +-65504, subnormals and zeros among them)."""
+    """uint8 [rows, k / values * nbytes] in the file's order: random codes, finite random
+    float16 scales (with ``extreme``, also +-65504, subnormals and zeros among them)."""
+    name = base(name)
     t = Q.BLOCK_TYPES[name]
     rng = np.random.default_rng(seed)
     n = rows * (k // t.values)
@@ -54,17 +68,24 @@ def random_blocks(name: str, rows: int, k: int, seed: int, extreme: bool = False
 
 
 def weight(name: str, data: np.ndarray, k: int) -> Q.QuantizedWeight:
-    return Q.QuantizedWeight((Q.WeightPart(Q.BLOCK_TYPES[name], torch.from_numpy(data)),), k)
+    """The blocks ``data`` (file order) as a weight in layout ``name``."""
+    part = Q.WeightPart(Q.BLOCK_TYPES[base(name)], torch.from_numpy(data))
+    w = Q.QuantizedWeight((part,), k)
+    if name.endswith("x8"):
+        w = Q.interleave(w)
+        assert w.parts[0].interleaved and not torch.equal(w.parts[0].data, part.data), name
+    return w
 
 
 def gguf_values(name: str, data: np.ndarray) -> np.ndarray:
-    t = GGMLQuantizationType(Q.BLOCK_TYPES[name].ggml)
+    t = GGMLQuantizationType(Q.BLOCK_TYPES[base(name)].ggml)
     return np.asarray(dequantize(data, t), dtype=np.float32).reshape(data.shape[0], -1)
 
 
 def code_magnitude(name: str, data: np.ndarray) -> np.ndarray:
     """A_k of the bound: |weights with the minimums zeroed| + |the minimums' term|."""
     w = gguf_values(name, data)
+    name = base(name)
     if name not in MINS:
         return np.abs(w)
     t = Q.BLOCK_TYPES[name]
@@ -76,7 +97,7 @@ def code_magnitude(name: str, data: np.ndarray) -> np.ndarray:
 
 def bound(x: torch.Tensor, name: str, data: np.ndarray) -> torch.Tensor:
     """The module docstring's bound per output [M, N] (float64)."""
-    g = Q.BLOCK_TYPES[name].values
+    g = Q.BLOCK_TYPES[base(name)].values
     w = torch.from_numpy(gguf_values(name, data)).double().abs()
     a = torch.from_numpy(code_magnitude(name, data)).double()
     m, k = x.shape
@@ -104,28 +125,47 @@ def assert_within(got: torch.Tensor, x: torch.Tensor, name: str, data: np.ndarra
 # --- dequantizers ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", KINDS)
 @pytest.mark.parametrize("extreme", [False, True])
 def test_dequantize_equals_gguf_bit_for_bit_on_random_blocks(name: str, extreme: bool) -> None:
     k = 512
-    data = random_blocks(name, 37, k, seed=TYPES.index(name), extreme=extreme)
+    data = random_blocks(name, fit(name, 37), k, seed=KINDS.index(name), extreme=extreme)
     got = weight(name, data, k).dequantize().numpy()
     want = gguf_values(name, data)
     assert got.shape == want.shape and got.dtype == np.float32
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", KINDS)
 def test_rows_dequantizes_only_the_rows_looked_up(name: str) -> None:
     k = 256
-    data = random_blocks(name, 50, k, seed=7)
+    n = fit(name, 50)
+    data = random_blocks(name, n, k, seed=7)
     w = weight(name, data, k)
-    ids = torch.tensor([[3, 49], [0, 3]])
+    ids = torch.tensor([[3, n - 1], [0, 3]])
     got = w.rows(ids)
     assert got.shape == (2, 2, k)
     assert torch.equal(got, w.dequantize()[ids])
     with pytest.raises(InvalidArgumentError):
-        w.rows(torch.tensor([50]))
+        w.rows(torch.tensor([n]))
+
+
+@pytest.mark.parametrize("name", Q.INTERLEAVED)
+def test_interleaved_rows_hold_the_files_bytes(name: str) -> None:
+    """Interleaving moves bytes only: the file's bytes come back, and a part whose rows do
+    not fill groups of 8 (or of a type the kernels read as stored) stays as it was."""
+    k = 256
+    data = random_blocks(name, 40, k, seed=17)
+    w = weight(name + "x8", data, k)
+    assert np.array_equal(w.parts[0].gguf_bytes().numpy(), data)
+    odd = weight(name, random_blocks(name, 43, k, seed=18), k)
+    assert Q.interleave(odd).parts[0] == odd.parts[0]
+    q8 = weight("Q8_0", random_blocks("Q8_0", 40, k, seed=19), k)
+    assert not Q.interleave(q8).parts[0].interleaved
+    with pytest.raises(InvalidArgumentError, match="groups of 8"):
+        Q.QuantizedWeight((Q.WeightPart(q8.parts[0].kind, q8.parts[0].data, True),), k)
+    with pytest.raises(InvalidArgumentError, match="groups of 8"):
+        Q.QuantizedWeight((Q.WeightPart(odd.parts[0].kind, odd.parts[0].data, True),), k)
 
 
 @functools.cache
@@ -152,25 +192,28 @@ def test_dequantize_equals_gguf_on_the_bundled_files() -> None:
     tensors = _real_tensors()
     assert {name for name, *_ in tensors} >= {"Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}
     for name, tensor, data, k in tensors:
-        got = weight(name, data, k).dequantize().numpy()
-        assert np.array_equal(got.view(np.uint32), gguf_values(name, data).view(np.uint32)), tensor
+        for layout in [name] + [name + "x8"] * (name in Q.INTERLEAVED):
+            got = weight(layout, data, k).dequantize().numpy()
+            want = gguf_values(name, data)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (layout, tensor)
 
 
 # --- the decode-row kernel -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", KINDS)
 @pytest.mark.parametrize("k", [256, 768])
 def test_kernel_equals_float64_within_the_int8_bound(name: str, k: int) -> None:
-    data = random_blocks(name, 67, k, seed=k + TYPES.index(name))
+    n = fit(name, 67)
+    data = random_blocks(name, n, k, seed=k + KINDS.index(name))
     w = weight(name, data, k)
     g = torch.Generator().manual_seed(k)
     worst = 0.0
-    for m in (1, 2, 5, 16, Q.MAX_ROWS):
+    for m in (1, 2, 3, 5, 16, Q.MAX_ROWS):
         x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g)  # uneven blocks
         assert Q.served(x, w)
         got = Q.linear(x, w)
-        assert got.shape == (m, 67) and got.dtype == torch.float32
+        assert got.shape == (m, n) and got.dtype == torch.float32
         worst = max(worst, assert_within(got, x, name, data))
     assert worst > 0.02, (name, worst)  # the bound is tight enough to catch a kernel bug
 
@@ -186,28 +229,23 @@ def quantized_rows(x: torch.Tensor, g: int) -> torch.Tensor:
     return (q.double() * (amax / 127).double()).view(m, k)
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", KINDS)
 def test_kernel_equals_the_product_of_its_quantized_activations(name: str) -> None:
     """Against gguf's weights times the activations quantized by ggml's rule, in float64, the
     kernel is exact but for float32 sums across blocks: a wrong activation scale (1 %) or
     rounding rule fails here, where it hides inside the worst-case bound above."""
     k = 512
-    data = random_blocks(name, 40, k, seed=31 + TYPES.index(name))
+    data = random_blocks(name, 40, k, seed=31 + KINDS.index(name))
     w = weight(name, data, k)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(5))
-    want = (
-        quantized_rows(x, Q.BLOCK_TYPES[name].values)
-        @ torch.from_numpy(gguf_values(name, data)).double().t()
-    )
-    scale = (
-        quantized_rows(x, Q.BLOCK_TYPES[name].values).abs()
-        @ torch.from_numpy(code_magnitude(name, data)).double().t()
-    )
+    g = Q.BLOCK_TYPES[base(name)].values
+    want = quantized_rows(x, g) @ torch.from_numpy(gguf_values(name, data)).double().t()
+    scale = quantized_rows(x, g).abs() @ torch.from_numpy(code_magnitude(name, data)).double().t()
     err = (Q.linear(x, w).double() - want).abs()
     assert float((err / (scale + 1e-30)).max()) < 1e-5, name
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", KINDS)
 def test_kernel_within_the_bound_on_extreme_scales(name: str) -> None:
     k = 512
     data = random_blocks(name, 40, k, seed=11, extreme=True)
@@ -224,16 +262,18 @@ def test_kernel_on_the_bundled_files() -> None:
             continue
         seen.add(name)
         x = torch.randn(3, k, generator=g)
-        assert_within(Q.linear(x, weight(name, data, k)), x, name, data)
+        for layout in [name] + [name + "x8"] * (name in Q.INTERLEAVED):
+            assert_within(Q.linear(x, weight(layout, data, k)), x, layout, data)
 
 
 def test_rows_do_not_depend_on_their_batch() -> None:
     """A row's output is bit-identical alone and at any place in a batch of 16, on 1 or 2
-    threads, for every block type (mixed in one weight)."""
+    threads, for every layout (mixed in one weight)."""
     k = 512
     parts = tuple(
-        Q.WeightPart(Q.BLOCK_TYPES[n], torch.from_numpy(random_blocks(n, 29, k, seed=i)))
-        for i, n in enumerate(TYPES)
+        p
+        for i, n in enumerate(KINDS)
+        for p in weight(n, random_blocks(n, fit(n, 29), k, seed=i), k).parts
     )
     w = Q.QuantizedWeight(parts, k)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
@@ -252,12 +292,9 @@ def test_mixed_parts_equal_each_part_alone() -> None:
     """A Q4_K_M-style weight (Q6_K rows beside Q4_K and q8_0-family rows) in one call gives
     each part's rows the bits of that part alone."""
     k = 512
-    names = ["Q4_K", "Q6_K", "Q8_0", "Q4_1"]
-    datas = [random_blocks(n, 13 + i, k, seed=20 + i) for i, n in enumerate(names)]
-    parts = tuple(
-        Q.WeightPart(Q.BLOCK_TYPES[n], torch.from_numpy(d))
-        for n, d in zip(names, datas, strict=True)
-    )
+    names = ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q4_1x8"]
+    datas = [random_blocks(n, fit(n, 13 + i), k, seed=20 + i) for i, n in enumerate(names)]
+    parts = tuple(p for n, d in zip(names, datas, strict=True) for p in weight(n, d, k).parts)
     w = Q.QuantizedWeight(parts, k)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
     got = Q.linear(x, w)
@@ -275,7 +312,7 @@ def test_mixed_parts_equal_each_part_alone() -> None:
 # --- fused neighbours ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_1x8", "Q4_K"])
 def test_fused_ops_equal_their_composition(name: str) -> None:
     """norm_linear = linear(rms_norm(x)), add_linear = residual + linear, and with glu
     linear(swiglu(x)): the same bits as the separate calls for decode rows."""
@@ -297,17 +334,18 @@ def test_fused_ops_equal_their_composition(name: str) -> None:
 # --- prefill ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_1x8", "Q6_K"])
 def test_prefill_rows_use_the_dequantized_weight(name: str) -> None:
     """More than MAX_ROWS rows: float32 tiles of gguf's weights in torch's GEMM."""
     k = 256
-    data = random_blocks(name, 45, k, seed=13)
+    n = fit(name, 45)
+    data = random_blocks(name, n, k, seed=13)
     w = weight(name, data, k)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(8))
     assert not Q.served(x, w)
-    want = x @ w.dequantize().t()
+    want = x @ torch.from_numpy(gguf_values(name, data)).t()
     assert torch.allclose(Q.linear(x, w), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    res = torch.randn(40, 45)
+    res = torch.randn(40, n)
     got = Q.add_linear(res, x, w)
     assert torch.allclose(got, res + want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 

@@ -90,12 +90,16 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 def test_native_holds_blocks_not_floats(smollm2_native: Llama, gemma3_native: Gemma3):
     """Every matrix is its file's blocks; the tied LM head is the embedding object itself;
-    Gemma's Q4_K_M fuses different block types into one weight's parts."""
+    SmolLM2's Q4_1 layer matrices are interleaved by 8 for the decode kernels (the embedding
+    is not: a lookup reads rows); Gemma's Q4_K_M fuses different block types into one
+    weight's parts."""
     w = smollm2_native.weights
     assert w.lm_head is w.embed and isinstance(w.embed, QuantizedWeight)
+    assert not w.embed.parts[0].interleaved
     for layer in w.layers:
         for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
             assert isinstance(m, QuantizedWeight) and m.parts[0].data.dtype == torch.uint8
+            assert [(p.kind.name, p.interleaved) for p in m.parts] == [("Q4_1", True)]
         assert layer.attn_norm.dtype == torch.float32
     assert smollm2_native.weight_bytes < 100 * 2**20  # the file is 98 MB
     kinds = {p.kind.name for layer in gemma3_native.weights.layers for p in layer.w_down.parts}

@@ -55,12 +55,27 @@ BLOCK_TYPES: dict[str, BlockType] = {
 }
 
 
+INTERLEAVED = ("Q4_0", "Q4_1")  # types whose rows the kernels read faster interleaved by 8
+_X8 = 256  # a kernel kind's offset for interleaved rows (csrc/weights/blocks.h)
+
+
 @dataclass(frozen=True)
 class WeightPart:
-    """Rows of one block type: ``data`` uint8 [rows, K / kind.values * kind.nbytes]."""
+    """Rows of one block type: ``data`` uint8 [rows, K / kind.values * kind.nbytes]; with
+    ``interleaved`` the same bytes with 8 rows' blocks interleaved (csrc/weights/interleaved.h:
+    a 32-byte load holds four codes of each of 8 rows)."""
 
     kind: BlockType
     data: torch.Tensor
+    interleaved: bool = False
+
+    @property
+    def kernel_kind(self) -> int:
+        return self.kind.ggml + (_X8 if self.interleaved else 0)
+
+    def gguf_bytes(self) -> torch.Tensor:
+        """``data`` in the file's order (a copy where interleaved, else ``data``)."""
+        return _deinterleave(self.kind, self.data) if self.interleaved else self.data
 
 
 @dataclass(frozen=True)
@@ -76,7 +91,7 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         check(self)
         # the kernel call's arguments, built once: a decode step makes ~120 calls
-        object.__setattr__(self, "_kinds", [p.kind.ggml for p in self.parts])
+        object.__setattr__(self, "_kinds", [p.kernel_kind for p in self.parts])
         object.__setattr__(self, "_data", [p.data.contiguous() for p in self.parts])
         object.__setattr__(self, "_rows", sum(p.data.shape[0] for p in self.parts))
 
@@ -131,11 +146,58 @@ def check(weight: QuantizedWeight) -> None:
                 f"{d.dtype} {list(d.shape)} on {d.device}",
                 f"uint8 [rows, {want}] on the CPU ({p.kind.name}, K = {k})",
             )
+        if p.interleaved and (p.kind.name not in INTERLEAVED or d.shape[0] % 8):
+            raise InvalidArgumentError(
+                f"parts[{i}]",
+                f"{p.kind.name} x {d.shape[0]} rows interleaved",
+                f"rows of {' / '.join(INTERLEAVED)} in groups of 8",
+            )
+
+
+def interleave(weight: QuantizedWeight) -> QuantizedWeight:
+    """The weight with every part the kernels read faster interleaved (``INTERLEAVED`` types,
+    rows a multiple of 8) stored so; the same values (the decode-row kernels' layout)."""
+    parts = tuple(
+        WeightPart(p.kind, _interleave(p.kind, p.data), True)
+        if p.kind.name in INTERLEAVED and not p.interleaved and p.data.shape[0] % 8 == 0
+        else p
+        for p in weight.parts
+    )
+    return QuantizedWeight(parts, weight.in_features)
+
+
+def _split(kind: BlockType) -> list[tuple[int, int]]:
+    """A block's byte fields as interleaved.h orders them: d, (m), codes."""
+    return [(0, 2), (2, 4), (4, 20)] if kind.name == "Q4_1" else [(0, 2), (2, 18)]
+
+
+def _interleave(kind: BlockType, data: torch.Tensor) -> torch.Tensor:
+    n, width = data.shape
+    g, nb = n // 8, width // kind.nbytes
+    x = data.view(g, 8, nb, kind.nbytes).transpose(1, 2)  # [G, nb, 8 rows, block bytes]
+    fields = [x[..., a:b].reshape(g, nb, 8 * (b - a)) for a, b in _split(kind)[:-1]]
+    a, b = _split(kind)[-1]
+    # codes [G, nb, 8 rows, 4 runs, 4 B] -> [G, nb, 4 runs, 8 rows, 4 B]
+    codes = x[..., a:b].reshape(g, nb, 8, 4, 4).transpose(2, 3).reshape(g, nb, 128)
+    return torch.cat([*fields, codes], dim=-1).reshape(n, width).contiguous()
+
+
+def _deinterleave(kind: BlockType, data: torch.Tensor) -> torch.Tensor:
+    n, width = data.shape
+    g, nb = n // 8, width // kind.nbytes
+    y = data.view(g, nb, 8 * kind.nbytes)
+    fields = []
+    for a, b in _split(kind)[:-1]:
+        fields.append(y[..., 8 * a : 8 * b].reshape(g, nb, 8, b - a))
+    a = _split(kind)[-1][0]
+    codes = y[..., 8 * a :].reshape(g, nb, 4, 8, 4).transpose(2, 3).reshape(g, nb, 8, 16)
+    x = torch.cat([*fields, codes], dim=-1)  # [G, nb, 8 rows, block bytes]
+    return x.transpose(1, 2).reshape(n, width).contiguous()
 
 
 def _dequantize(part: WeightPart, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows ``ids`` of a part (all where empty) as float32."""
-    return extension("weights").dequantize_rows(part.kind.ggml, part.data.contiguous(), ids, k)
+    return extension("weights").dequantize_rows(part.kernel_kind, part.data.contiguous(), ids, k)
 
 
 def _check_x(x: torch.Tensor, weight: QuantizedWeight, k: int) -> None:

@@ -53,7 +53,7 @@ from kvcache.models.llama import (
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
 from kvcache.weights.bundled import gemma3_path
-from kvcache.weights.gguf import GGUFFile, Weight, stack_rows
+from kvcache.weights.gguf import GGUFFile, Weight, kernel_rows, stack_rows
 from kvcache.wrapper import HybridCache, WrapperCache
 
 SLIDING, GLOBAL = 0, 1  # layer types: the WrapperCache's index of each layer's cache
@@ -438,13 +438,13 @@ def _load_layer(gguf: GGUFFile, i: int, reader: WeightReader) -> Gemma3Layer:
 
     return Gemma3Layer(
         attn_norm=get("attn_norm"),
-        wqkv=stack_rows([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")]),
+        wqkv=kernel_rows(stack_rows([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")])),
         q_norm=get("attn_q_norm"),
         k_norm=get("attn_k_norm"),
-        wo=matrix("attn_output"),
+        wo=kernel_rows(matrix("attn_output")),
         post_attn_norm=get("post_attention_norm"),
         mlp_norm=get("ffn_norm"),
-        w_gate_up=stack_rows([matrix("ffn_gate"), matrix("ffn_up")]),
-        w_down=matrix("ffn_down"),
+        w_gate_up=kernel_rows(stack_rows([matrix("ffn_gate"), matrix("ffn_up")])),
+        w_down=kernel_rows(matrix("ffn_down")),
         post_mlp_norm=get("post_ffw_norm"),
     )

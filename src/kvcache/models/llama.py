@@ -35,7 +35,14 @@ from kvcache.kernels.qlinear import QuantizedWeight
 from kvcache.kernels.reference import grouped_attention
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
-from kvcache.weights.gguf import GGUFFile, Weight, smollm2_path, stack_rows, unpermute_rope_rows
+from kvcache.weights.gguf import (
+    GGUFFile,
+    Weight,
+    kernel_rows,
+    smollm2_path,
+    stack_rows,
+    unpermute_rope_rows,
+)
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 WeightKind = Literal["native", "fp32", "bf16"]
@@ -470,7 +477,11 @@ def held_bytes(weights: Sequence[Weight]) -> int:
 def head_rows(weight: Weight, n: int) -> torch.Tensor:
     """The first ``n`` rows (last ``-n`` when negative) for a fingerprint: a QuantizedWeight's
     are its blocks' bytes."""
-    data = weight if isinstance(weight, torch.Tensor) else weight.parts[0 if n > 0 else -1].data
+    data = (
+        weight
+        if isinstance(weight, torch.Tensor)
+        else weight.parts[0 if n > 0 else -1].gguf_bytes()
+    )
     return data[:n] if n > 0 else data[n:]
 
 
@@ -536,9 +547,9 @@ def _load_layer(gguf: GGUFFile, config: LlamaConfig, i: int, reader: WeightReade
     k = unpermute_rope_rows(matrix("attn_k"), config.num_kv_heads)
     return LlamaLayer(
         attn_norm=reader.vector(gguf, p + "attn_norm.weight"),
-        wqkv=stack_rows([q, k, matrix("attn_v")]),
-        wo=matrix("attn_output"),
+        wqkv=kernel_rows(stack_rows([q, k, matrix("attn_v")])),
+        wo=kernel_rows(matrix("attn_output")),
         mlp_norm=reader.vector(gguf, p + "ffn_norm.weight"),
-        w_gate_up=stack_rows([matrix("ffn_gate"), matrix("ffn_up")]),
-        w_down=matrix("ffn_down"),
+        w_gate_up=kernel_rows(stack_rows([matrix("ffn_gate"), matrix("ffn_up")])),
+        w_down=kernel_rows(matrix("ffn_down")),
     )

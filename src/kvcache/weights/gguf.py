@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvcache.errors import CallOrderError, InvalidArgumentError, NotSupportedError
-from kvcache.kernels.qlinear import BLOCK_TYPES, QuantizedWeight, WeightPart
+from kvcache.kernels.qlinear import BLOCK_TYPES, QuantizedWeight, WeightPart, interleave
 
 FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
@@ -127,6 +127,7 @@ def unpermute_rope_rows(weight: Weight, n_heads: int) -> Weight:
     if isinstance(weight, QuantizedWeight):
         assert len(weight.parts) == 1, f"{len(weight.parts)} parts: permute each tensor alone"
         part = weight.parts[0]
+        assert not part.interleaved, "permute rows before they are interleaved"
         data = _unpermute(part.data, n_heads).contiguous()
         return QuantizedWeight((WeightPart(part.kind, data),), weight.in_features)
     return _unpermute(weight, n_heads)
@@ -154,13 +155,21 @@ def stack_rows(weights: list[Weight]) -> Weight:
     blocks = [w for w in weights if isinstance(w, QuantizedWeight)]
     parts: list[WeightPart] = []
     for part in (p for w in blocks for p in w.parts):
-        if parts and parts[-1].kind == part.kind:
-            parts[-1] = WeightPart(part.kind, torch.cat((parts[-1].data, part.data)))
+        last = parts[-1] if parts else None
+        if last is not None and (last.kind, last.interleaved) == (part.kind, part.interleaved):
+            data = torch.cat((last.data, part.data))  # interleaved: whole groups of 8 rows
+            parts[-1] = WeightPart(part.kind, data, part.interleaved)
         else:
             parts.append(part)
     k = {w.in_features for w in blocks}
     assert len(k) == 1, f"stacked weights of different input sizes {sorted(k)}"
     return QuantizedWeight(tuple(parts), k.pop())
+
+
+def kernel_rows(weight: Weight) -> Weight:
+    """A layer's matrix as the decode-row kernels read it fastest (Q4_0 / Q4_1 rows
+    interleaved by 8, the same values); float matrices as they are."""
+    return interleave(weight) if isinstance(weight, QuantizedWeight) else weight
 
 
 class GGUFFile:

@@ -21,8 +21,13 @@
 
 namespace kvk {
 
-// ggml's type numbers (GGMLQuantizationType)
-enum BlockKind : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+// ggml's type numbers (GGMLQuantizationType); + X8: the type's blocks of 8 rows interleaved
+// (interleaved.h), the same bytes in another order
+constexpr int X8 = 256;
+enum BlockKind : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
+  Q4_0X8 = Q4_0 + X8, Q4_1X8 = Q4_1 + X8
+};
 
 struct BlockTraits {
   int values;  // weights per block (G)
@@ -32,11 +37,14 @@ struct BlockTraits {
 
 inline bool known_kind(int kind) {
   return kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q8_0 || kind == Q4_K ||
-         kind == Q6_K;
+         kind == Q6_K || kind == Q4_0X8 || kind == Q4_1X8;
 }
 
+// the GGUF type of a kind (an interleaved kind's blocks are of its base type)
+inline int base_kind(int kind) { return kind >= X8 ? kind - X8 : kind; }
+
 inline BlockTraits traits(int kind) {
-  switch (kind) {
+  switch (base_kind(kind)) {
     case Q4_0: return {32, 18, false};
     case Q4_1: return {32, 20, true};
     case Q5_0: return {32, 22, false};

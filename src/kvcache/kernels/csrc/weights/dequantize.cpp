@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "interleaved.h"
 #include "weights.h"
 
 namespace kvk {
@@ -21,6 +22,8 @@ void check_part(int64_t kind, const at::Tensor& data, int64_t K) {
                   data.size(1) == K / t.values * t.nbytes,
               "kvcache qlinear: part data uint8 [rows, ", K / t.values * t.nbytes,
               "] contiguous expected");
+  TORCH_CHECK(!interleaved((int)kind) || data.size(0) % 8 == 0,
+              "kvcache qlinear: an interleaved part has rows in groups of 8");
 }
 
 namespace {
@@ -65,9 +68,16 @@ at::Tensor dequantize_rows(int64_t kind, const at::Tensor& data, const at::Tenso
     std::vector<int8_t> q(K);
     std::vector<float> d(K / 32), dm(K / 32);
     std::vector<int32_t> sc(K / 16), mn(K / 32);
-    for (int64_t r = begin; r < end; ++r)
-      dequantize_row((int)kind, src + (all ? r : ip[r]) * row_bytes, K, q, d, dm, sc, mn,
-                     op + r * K);
+    std::vector<uint8_t> gathered(interleaved((int)kind) ? row_bytes : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t row = all ? r : ip[r];
+      const uint8_t* bytes = src + row * row_bytes;
+      if (interleaved((int)kind)) {  // the row's GGUF bytes back in their order
+        x8_gather_row((int)kind, src, row, row_bytes, K, gathered.data());
+        bytes = gathered.data();
+      }
+      dequantize_row(base_kind((int)kind), bytes, K, q, d, dm, sc, mn, op + r * K);
+    }
   });
   return out;
 }

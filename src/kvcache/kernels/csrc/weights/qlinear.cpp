@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "interleaved.h"
 #include "weights.h"
 
 #if KVK_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -292,6 +293,9 @@ void part_rows(int kind, const at::Tensor& data, const Quantized& a, int64_t M, 
   const BlockTraits t = traits(kind);
   const uint8_t* p = data.data_ptr<uint8_t>();
   const int64_t rows = data.size(0), rb = data.size(1);
+  if (interleaved(kind))
+    return x8_rows(kind, p, rows, rb, a.q.data_ptr<int8_t>(), a.d.data_ptr<float>(),
+                   a.s.data_ptr<int32_t>(), M, K, y, ldy);
 #if KVK_AVX2
   // a decode step: dots straight from the blocks where that measured faster than a staged
   // row (not Q8_0's or Q6_K's: docs/design/weights.md)

@@ -1,0 +1,148 @@
+// Products over Q4_0 / Q4_1 rows interleaved by 8 (layout: interleaved.h). Every output is
+//   y = fma((float)idot_b, d_b * dx_b, acc) over the blocks b in order (+ for Q4_1 the
+//   minimums' sum fma(m_b * dx_b, (float)sx_b, accm) added at the end)
+// with idot_b the exact integer dot of the block (Q4_0: nibbles . x - 8 * sx): the same
+// float operations for a row whatever M, its place in the batch, the thread count or the
+// build (the vector lanes and the plain loop round alike).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "blocks.h"
+#include "interleaved.h"
+
+namespace kvk {
+
+void x8_gather_row(int kind, const uint8_t* data, int64_t row, int64_t row_bytes, int64_t K,
+                   uint8_t* out) {
+  const int gb = x8_block_bytes(kind), at = x8_codes_at(kind), nb = gb / 8;
+  const int qs = kind == Q4_1X8 ? 4 : 2;  // where a GGUF block's codes start
+  const uint8_t* base = data + (row / 8) * 8 * row_bytes;
+  const int l = (int)(row % 8);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* src = base + b * gb;
+    uint8_t* dst = out + b * nb;
+    std::memcpy(dst, src + 2 * l, 2);
+    if (kind == Q4_1X8) std::memcpy(dst + 2, src + 16 + 2 * l, 2);
+    for (int j = 0; j < 4; ++j) std::memcpy(dst + qs + 4 * j, src + at + 32 * j + 4 * l, 4);
+  }
+}
+
+namespace {
+
+#if KVK_AVX2
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// y[mb * ldy + 0..7] for the MB x rows m0.. against one group of 8 rows (blocks at g)
+template <bool MIN, int MB>
+void group_rows(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
+                int64_t K, float* y, int64_t ldy) {
+  constexpr int GB = MIN ? 160 : 144, AT = MIN ? 32 : 16;
+  const int64_t nb = K / 32;
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB], accm[MB];
+  KVK_UNROLL
+  for (int i = 0; i < MB; ++i) acc[i] = accm[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = g + b * GB;
+    __m256i s16[MB];
+    KVK_UNROLL
+    for (int i = 0; i < MB; ++i) s16[i] = _mm256_setzero_si256();
+    KVK_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + AT + 32 * j));
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      KVK_UNROLL
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* x = xq + i * K + b * 32;
+        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(x + 4 * j)));
+        s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(x + 16 + 4 * j)));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+    KVK_UNROLL
+    for (int i = 0; i < MB; ++i) {
+      const float dx = xd[i * nb + b];
+      const int32_t sx = xs[i * nb + b];
+      __m256i idot = _mm256_madd_epi16(s16[i], ones);
+      if constexpr (!MIN) idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(8 * sx));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[i]);
+      if constexpr (MIN) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
+        accm[i] = _mm256_fmadd_ps(_mm256_mul_ps(m, _mm256_set1_ps(dx)), _mm256_set1_ps((float)sx),
+                                  accm[i]);
+      }
+    }
+  }
+  KVK_UNROLL
+  for (int i = 0; i < MB; ++i) _mm256_storeu_ps(y + i * ldy, _mm256_add_ps(acc[i], accm[i]));
+}
+#else
+template <bool MIN, int MB>
+void group_rows(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
+                int64_t K, float* y, int64_t ldy) {
+  constexpr int GB = MIN ? 160 : 144, AT = MIN ? 32 : 16;
+  const int64_t nb = K / 32;
+  for (int i = 0; i < MB; ++i) {
+    float acc[8] = {}, accm[8] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = g + b * GB;
+      const int8_t* x = xq + i * K + b * 32;
+      const float dx = xd[i * nb + b];
+      const int32_t sx = xs[i * nb + b];
+      for (int r = 0; r < 8; ++r) {
+        int32_t idot = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int t = 0; t < 4; ++t) {
+            const uint8_t byte = blk[AT + 32 * j + 4 * r + t];
+            idot += (byte & 15) * x[4 * j + t] + (byte >> 4) * x[16 + 4 * j + t];
+          }
+        if (!MIN) idot -= 8 * sx;
+        uint16_t h;
+        std::memcpy(&h, blk + 2 * r, 2);
+        acc[r] = std::fma((float)idot, half_to_float(h) * dx, acc[r]);
+        if (MIN) {
+          std::memcpy(&h, blk + 16 + 2 * r, 2);
+          accm[r] = std::fma(half_to_float(h) * dx, (float)sx, accm[r]);
+        }
+      }
+    }
+    for (int r = 0; r < 8; ++r) y[i * ldy + r] = acc[r] + accm[r];
+  }
+}
+#endif
+
+template <bool MIN>
+void x8_rows_t(const uint8_t* data, int64_t rows, int64_t row_bytes, const int8_t* xq,
+               const float* xd, const int32_t* xs, int64_t M, int64_t K, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  // groups of 8 rows over the threads (~16 K weights an item)
+  at::parallel_for(0, rows / 8, std::max<int64_t>(1, 16384 / (8 * K)), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* gp = data + g * 8 * row_bytes;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        group_rows<MIN, 4>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
+      for (; m + 2 <= M; m += 2)
+        group_rows<MIN, 2>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
+      for (; m < M; ++m)
+        group_rows<MIN, 1>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
+    }
+  });
+}
+
+}  // namespace
+
+void x8_rows(int kind, const uint8_t* data, int64_t rows, int64_t row_bytes, const int8_t* xq,
+             const float* xd, const int32_t* xs, int64_t M, int64_t K, float* y, int64_t ldy) {
+  if (kind == Q4_1X8) x8_rows_t<true>(data, rows, row_bytes, xq, xd, xs, M, K, y, ldy);
+  else x8_rows_t<false>(data, rows, row_bytes, xq, xd, xs, M, K, y, ldy);
+}
+
+}  // namespace kvk
