@@ -161,9 +161,12 @@ def test_session_restores_the_prompt_in_another_process(
 ):
     """--session: the first run saves the prompt's K/V; a second process restores them,
     computes only the last prompt token (its logits start the answer), says so in the stats
-    line and prints what a run without a session prints (greedy)."""
+    line and prints what a run without a session prints (greedy). On fp32 weights: on native
+    weights the last prompt token computed alone meets the int8 activation step where the
+    whole prompt's forward used float32 tiles, so the text may part (docs/design/weights.md)."""
     session = tmp_path / "prompt.kv"
     args = ("--temperature", "0", "--max-new-tokens", "12", "--kv-codec", "int8")
+    args += ("--weights", "fp32")
     code, plain = run_cli(capsys, *args, SESSION_PROMPT)
     assert code == 0
     prompt_tokens = int(STATS.match(plain[-1]).group(1))  # type: ignore[union-attr]

@@ -90,12 +90,12 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 def test_native_holds_blocks_not_floats(smollm2_native: Llama, gemma3_native: Gemma3):
     """Every matrix is its file's blocks; the tied LM head is the embedding object itself;
-    SmolLM2's Q4_1 layer matrices are interleaved by 8 for the decode kernels (the embedding
-    is not: a lookup reads rows); Gemma's Q4_K_M fuses different block types into one
-    weight's parts."""
+    SmolLM2's Q4_1 layer matrices and its Q8_0 embedding (the LM head) are interleaved by 8
+    for the decode kernels; Gemma's Q4_K_M fuses different block types into one weight's
+    parts."""
     w = smollm2_native.weights
     assert w.lm_head is w.embed and isinstance(w.embed, QuantizedWeight)
-    assert not w.embed.parts[0].interleaved
+    assert [(p.kind.name, p.interleaved) for p in w.embed.parts] == [("Q8_0", True)]
     for layer in w.layers:
         for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
             assert isinstance(m, QuantizedWeight) and m.parts[0].data.dtype == torch.uint8

@@ -55,7 +55,7 @@ BLOCK_TYPES: dict[str, BlockType] = {
 }
 
 
-INTERLEAVED = ("Q4_0", "Q4_1")  # types whose rows the kernels read faster interleaved by 8
+INTERLEAVED = ("Q4_0", "Q4_1", "Q8_0")  # types the kernels read faster interleaved by 8
 _X8 = 256  # a kernel kind's offset for interleaved rows (csrc/weights/blocks.h)
 
 
@@ -73,9 +73,14 @@ class WeightPart:
     def kernel_kind(self) -> int:
         return self.kind.ggml + (_X8 if self.interleaved else 0)
 
-    def gguf_bytes(self) -> torch.Tensor:
-        """``data`` in the file's order (a copy where interleaved, else ``data``)."""
-        return _deinterleave(self.kind, self.data) if self.interleaved else self.data
+    def gguf_bytes(self, begin: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``begin:end`` of ``data`` in the file's order (where interleaved, a copy of
+        only the groups of 8 that hold them)."""
+        stop = self.data.shape[0] if end is None else end
+        if not self.interleaved:
+            return self.data[begin:stop]
+        lo, hi = begin // 8 * 8, -(-stop // 8) * 8
+        return _deinterleave(self.kind, self.data[lo:hi])[begin - lo : stop - lo]
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,7 @@ def interleave(weight: QuantizedWeight) -> QuantizedWeight:
 
 def _split(kind: BlockType) -> list[tuple[int, int]]:
     """A block's byte fields as interleaved.h orders them: d, (m), codes."""
-    return [(0, 2), (2, 4), (4, 20)] if kind.name == "Q4_1" else [(0, 2), (2, 18)]
+    return [(0, 2), (2, 4), (4, 20)] if kind.name == "Q4_1" else [(0, 2), (2, kind.nbytes)]
 
 
 def _interleave(kind: BlockType, data: torch.Tensor) -> torch.Tensor:
@@ -177,8 +182,9 @@ def _interleave(kind: BlockType, data: torch.Tensor) -> torch.Tensor:
     x = data.view(g, 8, nb, kind.nbytes).transpose(1, 2)  # [G, nb, 8 rows, block bytes]
     fields = [x[..., a:b].reshape(g, nb, 8 * (b - a)) for a, b in _split(kind)[:-1]]
     a, b = _split(kind)[-1]
-    # codes [G, nb, 8 rows, 4 runs, 4 B] -> [G, nb, 4 runs, 8 rows, 4 B]
-    codes = x[..., a:b].reshape(g, nb, 8, 4, 4).transpose(2, 3).reshape(g, nb, 128)
+    runs = (b - a) // 4
+    # codes [G, nb, 8 rows, runs, 4 B] -> [G, nb, runs, 8 rows, 4 B]
+    codes = x[..., a:b].reshape(g, nb, 8, runs, 4).transpose(2, 3).reshape(g, nb, 32 * runs)
     return torch.cat([*fields, codes], dim=-1).reshape(n, width).contiguous()
 
 
@@ -189,8 +195,9 @@ def _deinterleave(kind: BlockType, data: torch.Tensor) -> torch.Tensor:
     fields = []
     for a, b in _split(kind)[:-1]:
         fields.append(y[..., 8 * a : 8 * b].reshape(g, nb, 8, b - a))
-    a = _split(kind)[-1][0]
-    codes = y[..., 8 * a :].reshape(g, nb, 4, 8, 4).transpose(2, 3).reshape(g, nb, 8, 16)
+    a, b = _split(kind)[-1]
+    runs = (b - a) // 4
+    codes = y[..., 8 * a :].reshape(g, nb, runs, 8, 4).transpose(2, 3).reshape(g, nb, 8, b - a)
     x = torch.cat([*fields, codes], dim=-1)  # [G, nb, 8 rows, block bytes]
     return x.transpose(1, 2).reshape(n, width).contiguous()
 

@@ -245,7 +245,7 @@ class Gemma3:
         if gguf.has_tensor("output.weight"):
             raise NotSupportedError(f"{gguf.path.name}: an untied output.weight is not supported")
         # the embedding first: its dequantization peaks while little else is resident
-        embed = reader.matrix(gguf, "token_embd.weight")
+        embed = kernel_rows(reader.matrix(gguf, "token_embd.weight"))  # also the LM head
         config = Gemma3Config.from_gguf(gguf, vocab_size=embed.shape[0])
         layers = [_load_layer(gguf, i, reader) for i in range(config.num_layers)]
         norm = reader.vector(gguf, "output_norm.weight")

@@ -201,9 +201,11 @@ class Llama:
     def _load(cls, gguf: GGUFFile, reader: WeightReader) -> Llama:
         config = LlamaConfig.from_gguf(gguf)
         # the embedding first: its dequantization peaks while little else is resident
-        embed = reader.matrix(gguf, "token_embd.weight")
+        embed = kernel_rows(reader.matrix(gguf, "token_embd.weight"))  # also the tied LM head
         layers = [_load_layer(gguf, config, i, reader) for i in range(config.num_layers)]
-        lm_head = embed if config.tie_embeddings else reader.matrix(gguf, "output.weight")
+        lm_head = embed
+        if not config.tie_embeddings:
+            lm_head = kernel_rows(reader.matrix(gguf, "output.weight"))
         norm = reader.vector(gguf, "output_norm.weight")
         model = cls(config, LlamaWeights(embed, layers, norm, lm_head))
         model.source = gguf.path.name
@@ -477,12 +479,11 @@ def held_bytes(weights: Sequence[Weight]) -> int:
 def head_rows(weight: Weight, n: int) -> torch.Tensor:
     """The first ``n`` rows (last ``-n`` when negative) for a fingerprint: a QuantizedWeight's
     are its blocks' bytes."""
-    data = (
-        weight
-        if isinstance(weight, torch.Tensor)
-        else weight.parts[0 if n > 0 else -1].gguf_bytes()
-    )
-    return data[:n] if n > 0 else data[n:]
+    if isinstance(weight, torch.Tensor):
+        return weight[:n] if n > 0 else weight[n:]
+    part = weight.parts[0 if n > 0 else -1]
+    rows = part.data.shape[0]
+    return part.gguf_bytes(0, n) if n > 0 else part.gguf_bytes(rows + n, rows)
 
 
 def dense(weight: Weight) -> torch.Tensor:

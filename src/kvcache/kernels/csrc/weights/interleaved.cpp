@@ -1,4 +1,4 @@
-// Products over Q4_0 / Q4_1 rows interleaved by 8 (layout: interleaved.h). Every output is
+// Products over Q4_0 / Q4_1 / Q8_0 rows interleaved by 8 (layout: interleaved.h). Every output is
 //   y = fma((float)idot_b, d_b * dx_b, acc) over the blocks b in order (+ for Q4_1 the
 //   minimums' sum fma(m_b * dx_b, (float)sx_b, accm) added at the end)
 // with idot_b the exact integer dot of the block (Q4_0: nibbles . x - 8 * sx): the same
@@ -26,7 +26,8 @@ void x8_gather_row(int kind, const uint8_t* data, int64_t row, int64_t row_bytes
     uint8_t* dst = out + b * nb;
     std::memcpy(dst, src + 2 * l, 2);
     if (kind == Q4_1X8) std::memcpy(dst + 2, src + 16 + 2 * l, 2);
-    for (int j = 0; j < 4; ++j) std::memcpy(dst + qs + 4 * j, src + at + 32 * j + 4 * l, 4);
+    for (int j = 0; j < x8_code_bytes(kind) / 4; ++j)
+      std::memcpy(dst + qs + 4 * j, src + at + 32 * j + 4 * l, 4);
   }
 }
 
@@ -83,7 +84,67 @@ void group_rows(const uint8_t* g, const int8_t* xq, const float* xd, const int32
   KVK_UNROLL
   for (int i = 0; i < MB; ++i) _mm256_storeu_ps(y + i * ldy, _mm256_add_ps(acc[i], accm[i]));
 }
+
+// Q8_0X8: |w| as unsigned times x with w's sign, pair sums in int16 (2 * 128 * 127 < 2^15),
+// then int32 lanes per run
+template <int MB>
+void group_rows_q8(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t*,
+                   int64_t K, float* y, int64_t ldy) {
+  constexpr int GB = 272, AT = 16;
+  const int64_t nb = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  KVK_UNROLL
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = g + b * GB;
+    __m256i s32[MB];
+    KVK_UNROLL
+    for (int i = 0; i < MB; ++i) s32[i] = _mm256_setzero_si256();
+    KVK_UNROLL
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + AT + 32 * j));
+      const __m256i u = _mm256_sign_epi8(v, v);
+      KVK_UNROLL
+      for (int i = 0; i < MB; ++i) {
+        const __m256i s = _mm256_sign_epi8(bcast4(xq + i * K + b * 32 + 4 * j), v);
+        s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+    KVK_UNROLL
+    for (int i = 0; i < MB; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + b])),
+                               acc[i]);
+  }
+  KVK_UNROLL
+  for (int i = 0; i < MB; ++i) _mm256_storeu_ps(y + i * ldy, acc[i]);
+}
 #else
+template <int MB>
+void group_rows_q8(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t*,
+                   int64_t K, float* y, int64_t ldy) {
+  constexpr int GB = 272, AT = 16;
+  const int64_t nb = K / 32;
+  for (int i = 0; i < MB; ++i) {
+    float acc[8] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = g + b * GB;
+      const int8_t* x = xq + i * K + b * 32;
+      const float dx = xd[i * nb + b];
+      for (int r = 0; r < 8; ++r) {
+        int32_t idot = 0;
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) idot += (int8_t)blk[AT + 32 * j + 4 * r + t] * x[4 * j + t];
+        uint16_t h;
+        std::memcpy(&h, blk + 2 * r, 2);
+        acc[r] = std::fma((float)idot, half_to_float(h) * dx, acc[r]);
+      }
+    }
+    for (int r = 0; r < 8; ++r) y[i * ldy + r] = acc[r];
+  }
+}
+
 template <bool MIN, int MB>
 void group_rows(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
                 int64_t K, float* y, int64_t ldy) {
@@ -118,7 +179,15 @@ void group_rows(const uint8_t* g, const int8_t* xq, const float* xd, const int32
 }
 #endif
 
-template <bool MIN>
+// one group's kernel for MB x rows, per type
+template <int KIND, int MB>
+void group(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
+           float* y, int64_t ldy) {
+  if constexpr (KIND == Q8_0X8) group_rows_q8<MB>(g, xq, xd, xs, K, y, ldy);
+  else group_rows<KIND == Q4_1X8, MB>(g, xq, xd, xs, K, y, ldy);
+}
+
+template <int KIND>
 void x8_rows_t(const uint8_t* data, int64_t rows, int64_t row_bytes, const int8_t* xq,
                const float* xd, const int32_t* xs, int64_t M, int64_t K, float* y, int64_t ldy) {
   const int64_t nb = K / 32;
@@ -128,11 +197,11 @@ void x8_rows_t(const uint8_t* data, int64_t rows, int64_t row_bytes, const int8_
       const uint8_t* gp = data + g * 8 * row_bytes;
       int64_t m = 0;
       for (; m + 4 <= M; m += 4)
-        group_rows<MIN, 4>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
+        group<KIND, 4>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
       for (; m + 2 <= M; m += 2)
-        group_rows<MIN, 2>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
+        group<KIND, 2>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
       for (; m < M; ++m)
-        group_rows<MIN, 1>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
+        group<KIND, 1>(gp, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * ldy + 8 * g, ldy);
     }
   });
 }
@@ -141,8 +210,11 @@ void x8_rows_t(const uint8_t* data, int64_t rows, int64_t row_bytes, const int8_
 
 void x8_rows(int kind, const uint8_t* data, int64_t rows, int64_t row_bytes, const int8_t* xq,
              const float* xd, const int32_t* xs, int64_t M, int64_t K, float* y, int64_t ldy) {
-  if (kind == Q4_1X8) x8_rows_t<true>(data, rows, row_bytes, xq, xd, xs, M, K, y, ldy);
-  else x8_rows_t<false>(data, rows, row_bytes, xq, xd, xs, M, K, y, ldy);
+  switch (kind) {
+    case Q4_0X8: return x8_rows_t<Q4_0X8>(data, rows, row_bytes, xq, xd, xs, M, K, y, ldy);
+    case Q4_1X8: return x8_rows_t<Q4_1X8>(data, rows, row_bytes, xq, xd, xs, M, K, y, ldy);
+    default: return x8_rows_t<Q8_0X8>(data, rows, row_bytes, xq, xd, xs, M, K, y, ldy);
+  }
 }
 
 }  // namespace kvk
