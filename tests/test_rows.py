@@ -12,6 +12,7 @@ import torch
 
 from kvcache.kernels import rows as K
 from kvcache.kernels.build import extension
+from kvcache.kernels.linear import rms_norm
 from kvcache.models.rope import Rope
 
 
@@ -57,6 +58,43 @@ def test_rope_leaves_what_it_does_not_serve_to_torch() -> None:
     y = Rope.rotate(leaf, cos, sin)
     y.sum().backward()
     assert leaf.grad is not None and torch.equal(y.detach(), _rope_ops(x, cos, sin))
+
+
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("rotate_keys", [True, False])
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 9, 3, 64), (6, 4, 1, 256), (33, 2, 2, 8)])
+def test_split_heads_equals_slices_norms_and_rope_bitwise(
+    t: int, hq: int, hkv: int, d: int, rotate_keys: bool, normed: bool
+) -> None:
+    g = torch.Generator().manual_seed(t * 10 + hq)
+    rope = Rope(d, 10000.0)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d + 16, generator=g)[:, 16:] * 3  # strided rows
+    cos, sin = rope.tables(torch.randint(0, 5000, (t,), generator=g), torch.float32)
+    norms = (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5)
+    q = qkv[:, : hq * d].reshape(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
+    if normed:  # Gemma 3: each head RMS-normed before RoPE
+        q, k = rms_norm(q, norms[0], 1e-6), rms_norm(k, norms[1], 1e-6)
+    want = (_rope_ops(q, cos, sin), _rope_ops(k, cos, sin) if rotate_keys else k, v)
+    got = K.split_heads(
+        qkv, hq, hkv, cos, sin, rotate_keys=rotate_keys, norms=norms if normed else None, eps=1e-6
+    )
+    assert got is not None
+    for a, b in zip(got, want, strict=True):
+        assert a.is_contiguous() and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_split_heads_leaves_what_it_does_not_serve_to_the_caller() -> None:
+    rope = Rope(64, 10000.0)
+    qkv = torch.randn(2, 5 * 64)
+    cos, sin = rope.tables(torch.arange(2), torch.float32)
+    assert K.split_heads(qkv, 3, 1, cos, sin) is not None
+    assert K.split_heads(qkv.double(), 3, 1, cos.double(), sin.double()) is None
+    assert K.split_heads(qkv, 2, 1, cos, sin) is None  # 4 heads' width is not 5 heads'
+    assert K.split_heads(qkv, 3, 1, cos[:1], sin[:1]) is None  # tables of other rows
+    assert K.split_heads(qkv.t().contiguous().t(), 3, 1, cos, sin) is None  # strided channels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

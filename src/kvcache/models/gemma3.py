@@ -38,6 +38,7 @@ from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupp
 from kvcache.kernels.linear import linear, norm_linear, rms_norm
 from kvcache.kernels.qlinear import QuantizedWeight
 from kvcache.kernels.reference import grouped_attention
+from kvcache.kernels.rows import split_heads
 from kvcache.models.llama import (
     WeightKind,
     WeightReader,
@@ -366,6 +367,10 @@ class Gemma3:
         normed then rotated."""
         c = self.config
         qkv = norm_linear(x, layer.attn_norm, c.rms_eps, layer.wqkv)
+        norms = (layer.q_norm, layer.k_norm)
+        split = split_heads(qkv, c.num_heads, c.num_kv_heads, cos, sin, norms=norms, eps=c.rms_eps)
+        if split is not None:
+            return split
         t, d = qkv.shape[0], c.head_dim
         nq, nk = c.num_heads * d, c.num_kv_heads * d
         q = rms_norm(qkv[:, :nq].reshape(t, c.num_heads, d), layer.q_norm, c.rms_eps)

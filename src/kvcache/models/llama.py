@@ -33,6 +33,7 @@ from kvcache.errors import DimensionMismatchError, InvalidArgumentError, NotSupp
 from kvcache.kernels.linear import add_linear, linear, norm_linear, rms_norm, swiglu
 from kvcache.kernels.qlinear import QuantizedWeight
 from kvcache.kernels.reference import grouped_attention
+from kvcache.kernels.rows import split_heads
 from kvcache.models.rope import Rope
 from kvcache.protocol import Cache
 from kvcache.weights.gguf import (
@@ -371,6 +372,9 @@ class Llama:
         """q, k, v of the fused projection ``qkv`` [T, (Hq + 2 Hkv) D]; q and k rotated in
         one RoPE call (q alone when not ``rotate_keys``)."""
         c = self.config
+        split = split_heads(qkv, c.num_heads, c.num_kv_heads, cos, sin, rotate_keys=rotate_keys)
+        if split is not None:
+            return split
         t, d = qkv.shape[0], c.head_dim
         n_qk = c.num_heads + c.num_kv_heads
         n_rot = n_qk if rotate_keys else c.num_heads

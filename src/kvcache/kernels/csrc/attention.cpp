@@ -745,6 +745,10 @@ void encode_turbo(const at::Tensor& x, const at::Tensor& cells, const at::Tensor
                   at::Tensor& codes, at::Tensor& scale);
 // rows.cpp
 at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+std::vector<at::Tensor> split_heads(const at::Tensor& qkv, int64_t hq, int64_t hkv,
+                                    const at::Tensor& cos, const at::Tensor& sin,
+                                    bool rotate_keys, const at::Tensor& q_norm,
+                                    const at::Tensor& k_norm, double eps);
 void put_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
               const at::Tensor& rows);
 // dense.cpp
@@ -765,6 +769,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), py::arg("glu"));
   m.def("rms_norm_rows", &kvk::rms_norm_rows, "RMSNorm of rows times a weight");
   m.def("rope_rows", &kvk::rope_rows, "RoPE (rotate-half) of rows from cos/sin tables");
+  m.def("split_heads", &kvk::split_heads,
+        "q, k, v of a fused projection's rows: per-head norms (optional) and RoPE");
   m.def("put_rows", &kvk::put_rows, "rows copied into slots of a float32/float16 buffer");
   m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
   m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit, 8-bit keys)",

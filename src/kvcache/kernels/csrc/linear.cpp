@@ -20,13 +20,6 @@ namespace kvk {
 
 namespace {
 
-// RMSNorm of one row: y = x / sqrt(mean(x^2) + eps) * w (rms_norm_rows and the fused norm of
-// linear_rows: one formula, the same bits)
-void rms_row(const float* x, const float* w, int64_t K, float eps, float* y) {
-  const float inv = 1.f / std::sqrt(dot(x, x, (int)K) / (float)K + eps);
-  for (int64_t i = 0; i < K; ++i) y[i] = x[i] * inv * w[i];
-}
-
 // SwiGLU's hidden row: y = silu(a) * b for x = [a | b], K values each; silu(a) = a / (1 +
 // exp(-a)), torch's formula
 void glu_row(const float* x, int64_t K, float* y) {

@@ -120,6 +120,13 @@ inline float dot(const float* a, const float* b, int n) {
 #endif
 }
 
+// RMSNorm of one row: y = x / sqrt(mean(x^2) + eps) * w (rms_norm_rows, the fused norm of
+// linear_rows and the per-head norms of split_heads: one formula, the same bits)
+inline void rms_row(const float* x, const float* w, int64_t K, float eps, float* y) {
+  const float inv = 1.f / std::sqrt(dot(x, x, (int)K) / (float)K + eps);
+  for (int64_t i = 0; i < K; ++i) y[i] = x[i] * inv * w[i];
+}
+
 // y[0:n] += p * x[0:n]
 inline void axpy(float p, const float* x, float* y, int n) {
 #if KVK_AVX2

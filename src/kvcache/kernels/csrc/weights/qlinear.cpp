@@ -318,12 +318,6 @@ void part_rows(int kind, const at::Tensor& data, const Quantized& a, int64_t M, 
   }
 }
 
-// RMSNorm of one row, linear.cpp's rms_row formula (the same bits as kernels.linear.rms_norm)
-void rms_row(const float* x, const float* w, int64_t K, float eps, float* y) {
-  const float inv = 1.f / std::sqrt(dot(x, x, (int)K) / (float)K + eps);
-  for (int64_t i = 0; i < K; ++i) y[i] = x[i] * inv * w[i];
-}
-
 }  // namespace
 
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t group) {
