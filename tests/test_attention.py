@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvcache.causal as causal_module
+import kvcache.kernels.attend as attend_module
 import kvcache.kernels.plan as plan_module
 from kvcache import Batch, CausalCache
 from kvcache.cells import Cells
@@ -158,6 +159,28 @@ def test_every_segment_through_the_tile_path_or_the_kernel(
         rec = Recorder(CausalCache(1024, max_sequences=4, shift=ROPE, codec=codec))
         workload(rec, decode_steps=2)
         assert rec.worst < REL, f"{codec}, TILE_ROWS={rows}: {rec.worst:.2e}"
+
+
+def test_prompt_chunks_over_a_causal_history_split_into_unmasked_and_causal_parts(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A fresh prompt is all diagonal, a later chunk sees its history unmasked first; windows
+    and chunks keep their masks; every output equals the reference either way."""
+    splits: list[int | None] = []
+    real = attend_module._causal_split
+    monkeypatch.setattr(
+        attend_module, "_causal_split", lambda *a: splits.append(real(*a)) or splits[-1]
+    )
+    rec = Recorder(CausalCache(1024, shift=ROPE), layers=1)
+    rec.forward(list(range(200)), [0] * 200)
+    rec.forward(list(range(200, 420)), [0] * 220)
+    assert splits == [0, 200]
+    for policy in ("window", "chunk"):
+        splits.clear()
+        rec.cache = CausalCache(1024, shift=ROPE, **POLICIES[policy])
+        rec.forward(list(range(300)), [0] * 300)
+        assert splits == [None], policy
+    assert rec.worst < REL
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "kivi4", "turbo4"])

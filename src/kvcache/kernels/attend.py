@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from kvcache.codecs.base import AFFINE_ROWS, INT8, TURBO, Layout
@@ -179,22 +180,38 @@ def _tile(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial sums (m [e, Hq], acc [e, Hq, D] with l = 1) of a prompt-sized segment."""
+    """Partial sums (m [e, Hq], acc [e, Hq, D] with l = 1) of a prompt-sized segment: a prompt
+    chunk over its causal history runs unmasked over the cells every row sees and causal
+    over its own (the fused kernel skips the blocks above the diagonal: half the work);
+    any other segment (windows, chunks, forks) with its mask."""
     ent = plan.entries[torch.from_numpy(tile.entries)]  # [e, 3]: row, lo, hi
-    rows, lo, hi = ent[:, 0], ent[:, 1], ent[:, 2]
+    rows = ent[:, 0]
     e = len(rows)
     _, hq, d = q.shape
+    run = _Run(e, hq, d)
+
+    def gather(at: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cells = torch.from_numpy(tile.cells[at]).to(torch.int32)
+        pos = torch.from_numpy(tile.pos[at]).to(torch.int32)
+        k = ext.gather(cells, pos, *k_args, kv_heads, d, cos, sin)  # type: ignore[attr-defined]
+        v = ext.gather(cells, pos, *v_args, kv_heads, d, cos, sin)  # type: ignore[attr-defined]
+        return k, v, pos.to(torch.int64)
+
+    seen = _causal_split(tile, ent)
+    if seen is not None:
+        qh = q[rows].transpose(0, 1)[None]  # [1, Hq, e, D]
+        for start in range(0, seen, TILE_CELLS):
+            k, v, _ = gather(slice(start, min(start + TILE_CELLS, seen)))
+            run.add(*_flash_heads(qh, k, v, hq, scale, causal=False))
+        k, v, _ = gather(slice(seen, None))
+        run.add(*_flash_heads(qh, k, v, hq, scale, causal=True))
+        return run.m, run.acc
+    lo, hi = ent[:, 1], ent[:, 2]
     g = hq // kv_heads
     # qt: [1, Hkv, e*G, D], row (entry i, group head j) at i*G + j
     qt = q[rows].view(e, kv_heads, g, d).transpose(0, 1).reshape(1, kv_heads, e * g, d)
-    m_run = torch.full((e, hq), _NEG_INF)
-    acc_run = torch.zeros((e, hq, d))
     for start in range(0, len(tile.cells), TILE_CELLS):
-        cells = torch.from_numpy(tile.cells[start : start + TILE_CELLS]).to(torch.int32)
-        pos = torch.from_numpy(tile.pos[start : start + TILE_CELLS]).to(torch.int32)
-        k = ext.gather(cells, pos, *k_args, kv_heads, d, cos, sin)  # type: ignore[attr-defined]
-        v = ext.gather(cells, pos, *v_args, kv_heads, d, cos, sin)  # type: ignore[attr-defined]
-        p = pos.to(torch.int64)
+        k, v, p = gather(slice(start, start + TILE_CELLS))
         visible = (p[None, :] >= lo[:, None]) & (p[None, :] <= hi[:, None])  # [e, n]
         mask = torch.zeros(visible.shape).masked_fill_(~visible, _NEG_INF)
         mask = mask.repeat_interleave(g, dim=0)  # [e*G, n]
@@ -205,12 +222,53 @@ def _tile(
         # out [1, Hkv, e*G, D] -> [e, Hq, D]; lse likewise; rows that saw nothing: -inf
         out = out[0].view(kv_heads, e, g, d).transpose(0, 1).reshape(e, hq, d)
         lse = lse[0].view(kv_heads, e, g).transpose(0, 1).reshape(e, hq)
-        lse = lse.masked_fill(~visible.any(dim=1)[:, None], _NEG_INF)
-        m_new = torch.maximum(m_run, lse)
+        run.add(out, lse.masked_fill(~visible.any(dim=1)[:, None], _NEG_INF))
+    return run.m, run.acc
+
+
+def _causal_split(tile: Tile, ent: torch.Tensor) -> int | None:
+    """Where a prompt chunk's own cells begin in ``tile`` when its rows are consecutive
+    positions h0, h0+1, ..., its cells every position from the first up to the last row's,
+    and every row sees the first (a causal history): cells before that index are visible to
+    every row, the rest to row i up to its own (top-left causal). None for anything else."""
+    pos, lo, hi = tile.pos, ent[:, 1].numpy(), ent[:, 2].numpy()
+    e, n = len(hi), len(pos)
+    if n < e or lo.max() > pos[0] or pos[-1] - pos[0] != n - 1:
+        return None
+    h0 = int(hi[0])
+    if not np.array_equal(hi, np.arange(h0, h0 + e)) or pos[-1] != hi[-1]:
+        return None
+    if not np.array_equal(pos, np.arange(pos[0], pos[0] + n)):
+        return None
+    return n - e
+
+
+def _flash_heads(
+    qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hq: int, scale: float, *, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused kernel of queries ``qh`` [1, Hq, e, D] over ``k``, ``v`` [n, Hkv, D]
+    (each KV head repeated for its query heads): out [e, Hq, D], lse [e, Hq]."""
+    g = hq // k.shape[1]
+    kh = k.transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, Hq, n, D]
+    vh = v.transpose(0, 1).repeat_interleave(g, dim=0)[None]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, kh, vh, 0.0, causal, scale=scale
+    )
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+class _Run:
+    """A running softmax merge of partial attention results (out, lse) of the same rows."""
+
+    def __init__(self, e: int, hq: int, d: int) -> None:
+        self.m = torch.full((e, hq), _NEG_INF)
+        self.acc = torch.zeros((e, hq, d))
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        m_new = torch.maximum(self.m, lse)
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        w_old, w_new = torch.exp(m_run - safe), torch.exp(lse - safe)
+        w_old, w_new = torch.exp(self.m - safe), torch.exp(lse - safe)
         total = w_old + w_new
         denom = torch.where(total > 0, total, torch.ones_like(total))
-        acc_run = (acc_run * w_old[..., None] + out * w_new[..., None]) / denom[..., None]
-        m_run = torch.where(total > 0, safe + torch.log(denom), m_new)
-    return m_run, acc_run
+        self.acc = (self.acc * w_old[..., None] + out * w_new[..., None]) / denom[..., None]
+        self.m = torch.where(total > 0, safe + torch.log(denom), m_new)
