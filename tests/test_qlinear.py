@@ -336,20 +336,54 @@ def test_fused_ops_equal_their_composition(name: str) -> None:
 # --- prefill ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["Q4_1", "Q4_1x8", "Q6_K"])
-def test_prefill_rows_use_the_dequantized_weight(name: str) -> None:
-    """More than MAX_ROWS rows: float32 tiles of gguf's weights in torch's GEMM."""
+def test_prefill_rows_use_the_dequantized_weight(
+    name: str, gemm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More than MAX_ROWS rows: tiles of gguf's weights in torch's GEMM, float32 or bfloat16
+    (x and the tiles rounded to bf16, the product rounded once more; float32 out)."""
+    monkeypatch.setenv(Q.PREFILL_ENV, gemm)
     k = 256
     n = fit(name, 45)
     data = random_blocks(name, n, k, seed=13)
     w = weight(name, data, k)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(8))
     assert not Q.served(x, w)
-    want = x @ torch.from_numpy(gguf_values(name, data)).t()
-    assert torch.allclose(Q.linear(x, w), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    values = torch.from_numpy(gguf_values(name, data))
+    exact = x.double() @ values.double().t()
+    if gemm == "bf16":
+        want = x.bfloat16().double() @ values.bfloat16().double().t()
+        # the product's rounding to bf16 (8 bits): half a step of the largest
+        tol = 2**-8 * float(want.abs().max())
+    else:
+        want, tol = exact, 1e-5 * float(exact.abs().max())
+    got = Q.linear(x, w)
+    assert got.dtype == torch.float32
+    # the bf16 GEMM ran: a float32 one lands within 1e-5 of the exact product
+    far = float((got.double() - exact).abs().max()) > 1e-4 * float(exact.abs().max())
+    assert far == (gemm == "bf16")
+    assert float((got.double() - want).abs().max()) < tol
     res = torch.randn(40, n)
     got = Q.add_linear(res, x, w)
-    assert torch.allclose(got, res + want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert got.dtype == torch.float32
+    assert float((got.double() - (res.double() + want)).abs().max()) < tol
+
+
+def test_prefill_gemm_choice() -> None:
+    """bf16 where the CPU multiplies it natively, float32 elsewhere; the override is checked."""
+    x = torch.zeros(40, 32)
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert Q.prefill_dtype(x) == (torch.bfloat16 if native else torch.float32)
+    assert Q.prefill_dtype(x.double()) == torch.float64
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv(Q.PREFILL_ENV, "fp32")
+        assert Q.prefill_dtype(x) == torch.float32
+        m.setenv(Q.PREFILL_ENV, "bf16")
+        assert Q.prefill_dtype(x) == torch.bfloat16
+        m.setenv(Q.PREFILL_ENV, "fp16")
+        with pytest.raises(InvalidArgumentError, match=Q.PREFILL_ENV):
+            Q.prefill_dtype(x)
 
 
 # --- typed errors ----------------------------------------------------------------------------
