@@ -9,8 +9,9 @@ Decode-sized inputs (at most ``MAX_ROWS`` rows) go to the C++ kernel of the ``we
 (q8_0: blocks of 32, q8_K: 256; scale amax / 127), once per format a call needs, and met by
 each weight row's codes in int8 dot products, every weight row read once for all rows. A
 row's output does not depend on the rows beside it. Larger inputs (prompts) dequantize the
-weight a tile of rows at a time into float32 and use torch's GEMM: no float copy of a whole
-weight outlives the call (docs/design/weights.md).
+weight a tile of rows at a time and use torch's GEMM, in bf16 where the CPU multiplies it
+natively (``prefill_dtype``): no float copy of a whole weight outlives the call
+(docs/design/weights.md).
 """
 
 from __future__ import annotations
