@@ -57,7 +57,7 @@ BLOCK_TYPES: dict[str, BlockType] = {
 }
 
 
-INTERLEAVED = ("Q4_0", "Q4_1", "Q8_0")  # types the kernels read faster interleaved by 8
+INTERLEAVED = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # types the kernels read faster interleaved by 8
 _X8 = 256  # a kernel kind's offset for interleaved rows (csrc/weights/blocks.h)
 
 
@@ -174,8 +174,9 @@ def interleave(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def _split(kind: BlockType) -> list[tuple[int, int]]:
-    """A block's byte fields as interleaved.h orders them: d, (m), codes."""
-    return [(0, 2), (2, 4), (4, 20)] if kind.name == "Q4_1" else [(0, 2), (2, kind.nbytes)]
+    """A block's byte fields as interleaved.h orders them: d, (m or qh), codes."""
+    fields = {"Q4_1": [(0, 2), (2, 4), (4, 20)], "Q5_0": [(0, 2), (2, 6), (6, 22)]}
+    return fields.get(kind.name, [(0, 2), (2, kind.nbytes)])
 
 
 def _interleave(kind: BlockType, data: torch.Tensor) -> torch.Tensor:

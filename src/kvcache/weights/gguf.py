@@ -167,7 +167,7 @@ def stack_rows(weights: list[Weight]) -> Weight:
 
 
 def kernel_rows(weight: Weight) -> Weight:
-    """A layer's matrix as the decode-row kernels read it fastest (Q4_0 / Q4_1 rows
+    """A layer's matrix as the decode-row kernels read it fastest (``qlinear.INTERLEAVED`` rows
     interleaved by 8, the same values); float matrices as they are."""
     return interleave(weight) if isinstance(weight, QuantizedWeight) else weight
 

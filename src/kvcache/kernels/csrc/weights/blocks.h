@@ -26,7 +26,7 @@ namespace kvk {
 constexpr int X8 = 256;
 enum BlockKind : int {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
-  Q4_0X8 = Q4_0 + X8, Q4_1X8 = Q4_1 + X8, Q8_0X8 = Q8_0 + X8
+  Q4_0X8 = Q4_0 + X8, Q4_1X8 = Q4_1 + X8, Q5_0X8 = Q5_0 + X8, Q8_0X8 = Q8_0 + X8
 };
 
 struct BlockTraits {
@@ -37,7 +37,7 @@ struct BlockTraits {
 
 inline bool known_kind(int kind) {
   return kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q8_0 || kind == Q4_K ||
-         kind == Q6_K || kind == Q4_0X8 || kind == Q4_1X8 || kind == Q8_0X8;
+         kind == Q6_K || kind == Q4_0X8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q8_0X8;
 }
 
 // the GGUF type of a kind (an interleaved kind's blocks are of its base type)
