@@ -267,8 +267,8 @@ PREFILL_ENV = "KVCACHE_PREFILL_GEMM"  # "fp32" or "bf16": overrides prefill_dtyp
 
 def prefill_dtype(x: torch.Tensor) -> torch.dtype:
     """The GEMM dtype of a prompt-sized ``x``: bfloat16 for float32 rows on a CPU with native
-    bf16 dot products (AVX512-BF16 or AMX: 4.5x fp32's rate, a KL against the fp32 reference
-    below llama.cpp's int8 activations', docs/design/weights.md), else x's own dtype."""
+    bf16 dot products (AVX512-BF16 or AMX: several times float32's rate at a KL below
+    llama.cpp's, docs/design/weights.md), else x's own dtype (emulated bf16 is slower)."""
     choice = os.environ.get(PREFILL_ENV, "")
     if choice not in ("", "fp32", "bf16"):
         raise InvalidArgumentError(PREFILL_ENV, choice, '"fp32", "bf16" or unset')

@@ -178,67 +178,12 @@ void group_rows_q5(const uint8_t* g, const int8_t* xq, const float* xd, const in
   for (int i = 0; i < MB; ++i) _mm256_storeu_ps(y + i * ldy, acc[i]);
 }
 #else
-template <int MB>
-void group_rows_q5(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
-                   int64_t K, float* y, int64_t ldy) {
-  constexpr int GB = 176, QH = 16, AT = 48;
-  const int64_t nb = K / 32;
-  for (int i = 0; i < MB; ++i) {
-    float acc[8] = {};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = g + b * GB;
-      const int8_t* x = xq + i * K + b * 32;
-      const float dx = xd[i * nb + b];
-      for (int r = 0; r < 8; ++r) {
-        uint32_t qh;
-        std::memcpy(&qh, blk + QH + 4 * r, 4);
-        int32_t idot = 0;
-        for (int j = 0; j < 4; ++j)
-          for (int t = 0; t < 4; ++t) {
-            const uint8_t byte = blk[AT + 32 * j + 4 * r + t];
-            const int v = 4 * j + t;
-            const int lo = (byte & 15) | (((qh >> v) & 1) << 4);
-            const int hi = (byte >> 4) | (((qh >> (16 + v)) & 1) << 4);
-            idot += lo * x[v] + hi * x[16 + v];
-          }
-        idot -= 16 * xs[i * nb + b];
-        uint16_t h;
-        std::memcpy(&h, blk + 2 * r, 2);
-        acc[r] = std::fma((float)idot, half_to_float(h) * dx, acc[r]);
-      }
-    }
-    for (int r = 0; r < 8; ++r) y[i * ldy + r] = acc[r];
-  }
-}
-
-template <int MB>
-void group_rows_q8(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t*,
-                   int64_t K, float* y, int64_t ldy) {
-  constexpr int GB = 272, AT = 16;
-  const int64_t nb = K / 32;
-  for (int i = 0; i < MB; ++i) {
-    float acc[8] = {};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = g + b * GB;
-      const int8_t* x = xq + i * K + b * 32;
-      const float dx = xd[i * nb + b];
-      for (int r = 0; r < 8; ++r) {
-        int32_t idot = 0;
-        for (int j = 0; j < 8; ++j)
-          for (int t = 0; t < 4; ++t) idot += (int8_t)blk[AT + 32 * j + 4 * r + t] * x[4 * j + t];
-        uint16_t h;
-        std::memcpy(&h, blk + 2 * r, 2);
-        acc[r] = std::fma((float)idot, half_to_float(h) * dx, acc[r]);
-      }
-    }
-    for (int r = 0; r < 8; ++r) y[i * ldy + r] = acc[r];
-  }
-}
-
-template <bool MIN, int MB>
-void group_rows(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
-                int64_t K, float* y, int64_t ldy) {
-  constexpr int GB = MIN ? 160 : 144, AT = MIN ? 32 : 16;
+// The plain loops' frame: per x row i and weight row r, acc = fma((float)dot(blk, x, r, sx),
+// d_r * dx, acc) over the blocks (with MIN the minimums' fma(m_r * dx, sx, accm) beside it),
+// the vector lanes' operations in their order.
+template <int GB, bool MIN, int MB, class Dot>
+void plain_group(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
+                 int64_t K, float* y, int64_t ldy, Dot dot) {
   const int64_t nb = K / 32;
   for (int i = 0; i < MB; ++i) {
     float acc[8] = {}, accm[8] = {};
@@ -248,24 +193,62 @@ void group_rows(const uint8_t* g, const int8_t* xq, const float* xd, const int32
       const float dx = xd[i * nb + b];
       const int32_t sx = xs[i * nb + b];
       for (int r = 0; r < 8; ++r) {
-        int32_t idot = 0;
-        for (int j = 0; j < 4; ++j)
-          for (int t = 0; t < 4; ++t) {
-            const uint8_t byte = blk[AT + 32 * j + 4 * r + t];
-            idot += (byte & 15) * x[4 * j + t] + (byte >> 4) * x[16 + 4 * j + t];
-          }
-        if (!MIN) idot -= 8 * sx;
-        uint16_t h;
-        std::memcpy(&h, blk + 2 * r, 2);
-        acc[r] = std::fma((float)idot, half_to_float(h) * dx, acc[r]);
-        if (MIN) {
-          std::memcpy(&h, blk + 16 + 2 * r, 2);
-          accm[r] = std::fma(half_to_float(h) * dx, (float)sx, accm[r]);
-        }
+        const float d = half_to_float(load16(blk + 2 * r));
+        acc[r] = std::fma((float)dot(blk, x, r, sx), d * dx, acc[r]);
+        if constexpr (MIN)
+          accm[r] = std::fma(half_to_float(load16(blk + 16 + 2 * r)) * dx, (float)sx, accm[r]);
       }
     }
-    for (int r = 0; r < 8; ++r) y[i * ldy + r] = acc[r] + accm[r];
+    for (int r = 0; r < 8; ++r) y[i * ldy + r] = MIN ? acc[r] + accm[r] : acc[r];
   }
+}
+
+template <int MB>
+void group_rows_q5(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
+                   int64_t K, float* y, int64_t ldy) {
+  auto dot = [](const uint8_t* blk, const int8_t* x, int r, int32_t sx) {
+    uint32_t qh;
+    std::memcpy(&qh, blk + 16 + 4 * r, 4);
+    int32_t idot = 0;
+    for (int j = 0; j < 4; ++j)
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t byte = blk[48 + 32 * j + 4 * r + t];
+        const int v = 4 * j + t;
+        const int lo = (byte & 15) | (((qh >> v) & 1) << 4);
+        const int hi = (byte >> 4) | (((qh >> (16 + v)) & 1) << 4);
+        idot += lo * x[v] + hi * x[16 + v];
+      }
+    return idot - 16 * sx;
+  };
+  plain_group<176, false, MB>(g, xq, xd, xs, K, y, ldy, dot);
+}
+
+template <int MB>
+void group_rows_q8(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
+                   int64_t K, float* y, int64_t ldy) {
+  auto dot = [](const uint8_t* blk, const int8_t* x, int r, int32_t) {
+    int32_t idot = 0;
+    for (int j = 0; j < 8; ++j)
+      for (int t = 0; t < 4; ++t) idot += (int8_t)blk[16 + 32 * j + 4 * r + t] * x[4 * j + t];
+    return idot;
+  };
+  plain_group<272, false, MB>(g, xq, xd, xs, K, y, ldy, dot);
+}
+
+template <bool MIN, int MB>
+void group_rows(const uint8_t* g, const int8_t* xq, const float* xd, const int32_t* xs,
+                int64_t K, float* y, int64_t ldy) {
+  constexpr int GB = MIN ? 160 : 144, AT = MIN ? 32 : 16;
+  auto dot = [](const uint8_t* blk, const int8_t* x, int r, int32_t sx) {
+    int32_t idot = 0;
+    for (int j = 0; j < 4; ++j)
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t byte = blk[AT + 32 * j + 4 * r + t];
+        idot += (byte & 15) * x[4 * j + t] + (byte >> 4) * x[16 + 4 * j + t];
+      }
+    return MIN ? idot : idot - 8 * sx;
+  };
+  plain_group<GB, MIN, MB>(g, xq, xd, xs, K, y, ldy, dot);
 }
 #endif
 
