@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvcache.errors import NotSupportedError
+from kvcache.kernels.contract import Kind
 from kvcache.protocol import RotaryShift
 from kvcache.recent import SealPlan, Windows, WindowSpec
 
@@ -25,8 +26,7 @@ Locs = torch.Tensor | slice  # cell indices (LongTensor) or a contiguous slice o
 RowFormat = tuple[torch.dtype, tuple[int, ...]]  # a snapshot tensor's dtype and shape
 
 NONE = torch.empty(0)  # an unused Layout field (never written: shared by every Layout)
-# kernel kinds (the C++ reader's switch, src/kvcache/kernels/csrc/readers.h)
-F32, F16, BF16, INT8, AFFINE_ROWS, AFFINE_CHANNELS, TURBO = range(7)
+F32, F16, BF16, INT8, AFFINE_ROWS, AFFINE_CHANNELS, TURBO = Kind  # the kernels' kinds
 FLOAT_KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
