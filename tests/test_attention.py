@@ -13,6 +13,7 @@ import torch
 import kvcache.causal as causal_module
 import kvcache.kernels.attend as attend_module
 import kvcache.kernels.plan as plan_module
+import kvcache.kernels.route as route
 from kvcache import Batch, CausalCache
 from kvcache.cells import Cells
 from kvcache.errors import DimensionMismatchError, InvalidArgumentError
@@ -415,14 +416,48 @@ def test_attention_errors_change_nothing():
 def test_reference_path_for_float64_and_the_environment(monkeypatch: pytest.MonkeyPatch):
     calls = []
     monkeypatch.setattr(causal_module, "attend", lambda *a, **k: calls.append(1))
-    for dtype, env in ((torch.float64, ""), (torch.float32, "reference")):
-        monkeypatch.setenv(causal_module.ATTENTION_ENV, env)
+    for dtype, env, why in (
+        (torch.float64, "", "float64"),
+        (torch.float32, "reference", "KVCACHE_ATTENTION=reference"),
+    ):
+        monkeypatch.setenv(route.ATTENTION_ENV, env)
         cache = CausalCache(64, dtype=dtype)
+        assert why in (cache.kernel_reason() or "")
         cache.start_forward(Batch.single(0, 0, 4))
         q, k, v = (torch.randn(4, h, D, dtype=dtype) for h in (H * G, H, H))
         out = cache.attention(0, q, k, v)
         causal = torch.ones(4, 4, dtype=torch.bool).tril()
         assert torch.allclose(out, grouped_attention(q, k, v, causal), atol=1e-6)
+    assert not calls
+    monkeypatch.setenv(route.ATTENTION_ENV, "")
+    assert CausalCache(64).kernel_reason() is None
+
+
+@pytest.mark.parametrize(
+    ("codec", "dim", "value_dim", "why"),
+    [
+        ("fp32", 40, 40, "head_dim 40"),
+        ("fp32", 272, 272, "head_dim 272"),
+        ("fp32", 64, 32, "value head_dim 32"),
+        ("turbo4:recent=0", 48, 48, "turbo codes of head_dim 48"),
+    ],
+)
+def test_a_layer_the_kernels_do_not_take_says_why_and_equals_the_reference(
+    codec: str, dim: int, value_dim: int, why: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Shapes and codes the kernels do not take go to the reference (a turbo cache of
+    head_dim 48 raised inside the kernel before), and the route says why."""
+    calls = []
+    monkeypatch.setattr(causal_module, "attend", lambda *a, **k: calls.append(1))
+    cache = CausalCache(64, shift=Rope(dim, 10000.0), codec=codec)
+    cache.start_forward(Batch.single(0, 0, 4))
+    q, k = torch.randn(4, H * G, dim), torch.randn(4, H, dim)
+    v = torch.randn(4, H, value_dim)
+    out = cache.attention(0, q, k, v)
+    keys_l, values_l = cache.storage.layouts(0)
+    assert why in (route.layer_reason(q, v, keys_l, values_l) or "")
+    keys, values, mask = cache.get(0)
+    assert torch.allclose(out, grouped_attention(q, keys, values, mask), atol=1e-5)
     assert not calls
 
 

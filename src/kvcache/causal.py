@@ -39,7 +39,6 @@ nothing).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -62,6 +61,7 @@ from kvcache.forward import ForwardPlan
 from kvcache.kernels import build
 from kvcache.kernels.attend import attend
 from kvcache.kernels.reference import grouped_attention
+from kvcache.kernels.route import forward_reason, layer_reason
 from kvcache.policy import Policy
 from kvcache.protocol import RotaryShift, ShiftFn
 from kvcache.snapshot import ModelId, Snapshot
@@ -73,8 +73,6 @@ from kvcache.validate import config_int, int_arg, optional_config_int
 DEFAULT_MAX_BATCH = 512
 # (layer, q [T, Hq, D], the forward's plan): what cache.attention shows an observer (a press)
 AttentionObserver = Callable[[int, torch.Tensor, ForwardPlan], None]
-# "reference": attend through get()'s history range and mask in plain torch (debugging)
-ATTENTION_ENV = "KVCACHE_ATTENTION"
 
 
 class CausalCache:
@@ -344,13 +342,11 @@ class CausalCache:
         for observer in self._observers:
             observer(layer, q, fwd)
         s = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-        if not (fwd.kernel_reads and self._kernel_shapes(q, v)):
+        layouts = None if fwd.kernel_reason is not None else self.storage.layouts(layer)
+        if layouts is None or layer_reason(q, v, *layouts) is not None:
             keys, values, mask = self.get(layer)
             return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, s)
-        keys_l, values_l = self.storage.layouts(layer)
-        if values_l.rotated and values_l.rotation.numel() == 0:  # no matrix: head_dim > 128
-            keys, values, mask = self.get(layer)
-            return grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, s)
+        keys_l, values_l = layouts
         plan = fwd.attention_plan(int(k.shape[1]), torch.get_num_threads())
         pre = self.key_rope == "pre"
         tables = pre or keys_l.centre_rope
@@ -366,23 +362,11 @@ class CausalCache:
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
-    def _kernel_reads(self) -> bool:
-        """Whether the C++ kernels may serve this forward's attention (else the plain-torch
-        reference): read once a forward, not once a layer (an environment lookup and these
-        checks cost a decode step more than the kernel's call did: docs/design/kernels.md)."""
+    def kernel_reason(self) -> str | None:
+        """Why this cache's attention takes the plain-torch reference, not the kernels, for
+        any layer (None: the kernels may serve it; kvcache.kernels.route decides)."""
         rotary = self.key_rope == "post" or self.rotary is not None
-        return (
-            os.environ.get(ATTENTION_ENV, "") != "reference"
-            and self.device.type == "cpu"
-            and self.dtype != torch.float64
-            and rotary
-        )
-
-    @staticmethod
-    def _kernel_shapes(q: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether the kernels take these queries and values (the rest of the rule)."""
-        d = q.shape[2]
-        return q.dtype != torch.float64 and v.shape[2] == d and d % 16 == 0 and d <= 256
+        return forward_reason(self.device, self.dtype, rotary)
 
     def _kernel_rope(self, max_pos: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin float32 [P, D/2] for positions < P (P > max_pos), grown by doubling."""

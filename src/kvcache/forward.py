@@ -47,7 +47,7 @@ class ForwardPlan:
         self.reserve = reserve
         self.seals = seals
         self.causal_rows = np.ones(len(positions), dtype=bool)  # False: set_causal exemption
-        self.kernel_reads = cache._kernel_reads()  # the C++ kernels may serve its attention
+        self.kernel_reason = cache.kernel_reason()  # why not the kernels (None: they may)
         self._lazy: dict[object, object] = {}
 
     def set_causal_rows(self, rows: np.ndarray) -> None:

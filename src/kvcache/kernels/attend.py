@@ -12,7 +12,7 @@ codes in int16 products (csrc/tiles.h), and the prompt tiles use the same rounde
 that a row's attention is one softmax whichever path computed its parts. Turbo keys of 2-5
 bits after RoPE do the same in the codes' rotated domain (``turbo_steps``): their codebook
 levels lie on int16 steps (codecs/codebook.py) and the kernel looks them up as int16
-(csrc/readers.cpp, qk_turbo16_rows).
+(csrc/codecs/turbo.cpp, qk_turbo16_rows).
 
     q [T, Hq, D] (query head hq reads KV head hq // G)  ->  out [T, Hq, D] float32
 """
@@ -27,6 +27,7 @@ import torch
 from kvcache.codecs.base import AFFINE_ROWS, INT8, TURBO, Layout
 from kvcache.codecs.rotation import butterflies
 from kvcache.kernels.build import extension
+from kvcache.kernels.contract import layout_args
 from kvcache.kernels.plan import AttentionPlan, Tile
 
 TILE_CELLS = 2048  # cells decoded at a time by the tile path
@@ -34,37 +35,12 @@ _NEG_INF = float("-inf")
 _EMPTY = torch.empty(0)
 
 
-def layout_args(layout: Layout, pre_rope: bool) -> tuple[list[torch.Tensor], list[int]]:
-    """A Layout as the kernel's (tensors, ints) (order: csrc/readers.h, Slot and IntSlot)."""
-    tensors = [
-        layout.data,
-        layout.scale,
-        layout.low,
-        layout.meta_of,
-        layout.meta_a,
-        layout.meta_b,
-        layout.window,
-        layout.residual,
-        layout.centroids,
-        layout.signs,
-    ]
-    ints = [
-        layout.kind,
-        layout.bits,
-        layout.group,
-        int(layout.log_scale),
-        2 if layout.centre_rope else int(pre_rope),  # csrc/readers.h: RopeMode
-        int(layout.rotated),
-    ]
-    return tensors, ints
-
-
 @functools.cache
 def vector_kernels() -> bool:
     """Whether the kernels were built with their vector paths (AVX2 or AVX-512), the only
     ones that meet int8 and 4-bit affine keys in int16 products: plain loops (a CPU without
     AVX2, or not x86) score those keys decoded, with the query as given (turbo keys of 2-5
-    bits meet a query in int16 steps on every path: csrc/attention.cpp, turbo_query16)."""
+    bits meet a query in int16 steps on every path: csrc/codecs/turbo.cpp, turbo_query16)."""
     return extension().isa() != "none"
 
 
@@ -85,7 +61,7 @@ def int16_steps(q: torch.Tensor, scale: float) -> torch.Tensor:
 
 def turbo16_keys(keys: Layout, pre_rope: bool, dim: int) -> bool:
     """Whether turbo keys are scored in int16 steps of the rotated query (``turbo_steps``;
-    csrc/readers.cpp, turbo_keys16): 2 to 5 bits after RoPE, head_dim a multiple of 64, no
+    csrc/codecs/turbo.cpp, turbo_keys16): 2 to 5 bits after RoPE, head_dim a multiple of 64, no
     padding of the rotated rows."""
     return (
         keys.kind == TURBO
@@ -101,7 +77,7 @@ def turbo_steps(q: torch.Tensor, scale: float, signs: torch.Tensor) -> torch.Ten
     """``q`` [T, Hq, D] float32 as turbo keys score it: each row of ``q * scale`` rotated into
     its KV head's codes' domain (``signs`` [Hkv, D]: y = fwht(x * signs / sqrt(D))), rounded
     there to ``int16_steps`` and rotated back, in the kernel's float32 operations and order
-    (csrc/readers.cpp, turbo_query16: the same bits). The torch reference of
+    (csrc/codecs/turbo.cpp, turbo_query16: the same bits). The torch reference of
     :func:`turbo_steps_kernel`."""
     t, hq, d = q.shape
     hkv = signs.shape[0]
