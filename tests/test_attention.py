@@ -246,6 +246,44 @@ def test_kernel_for_every_query_group_and_thread_count(
         torch.set_num_threads(previous)
 
 
+# (codec, key_rope): the paths of a tile of encoded rows and of a tile of window rows
+TILE_PATHS = [
+    ("fp32", "post", ("decoded", "decoded"), ("decoded", "decoded")),
+    ("fp16", "post", ("fp16", "fp16"), ("fp16", "fp16")),
+    ("bf16", "post", ("decoded", "decoded"), ("decoded", "decoded")),
+    ("int8", "post", ("int8", "int8"), ("fp16", "fp16")),
+    ("int4", "post", ("affine4", "affine4"), ("fp16", "fp16")),
+    ("kivi4", "pre", ("kivi4 before RoPE", "affine4"), ("fp16 before RoPE", "fp16")),
+    ("kivi2", "pre", ("decoded", "decoded"), ("fp16 before RoPE", "fp16")),
+    ("turbo4", "post", ("turbo", "turbo"), ("fp16", "fp16")),
+    ("int8", "pre", ("decoded", "int8"), ("fp16 before RoPE", "fp16")),
+    ("int8/int4", "post", ("int8", "affine4"), ("fp16", "fp16")),
+]
+
+
+@pytest.mark.parametrize(("codec", "key_rope", "codes", "window"), TILE_PATHS)
+def test_each_codec_reads_its_tiles_by_its_own_path(
+    codec: str, key_rope: str, codes: tuple[str, str], window: tuple[str, str]
+):
+    """The path tables (csrc/paths.h) send a tile of encoded rows to its codec's own path and
+    a tile of fp16 window rows to the fp16 one: a row that fits too early or too late would
+    keep outputs within the bounds above and cost the speed the path exists for. Plain loops
+    (no AVX2) decode every tile."""
+    cache = CausalCache(1024, shift=ROPE, codec=codec, key_rope=key_rope)
+    cache.start_forward(Batch.single(0, 0, 400))
+    cache.put(0, torch.randn(400, H, D), torch.randn(400, H, D))
+    cells = torch.from_numpy(cache.cells_of(0))
+    keys, values = cache.storage.layouts(0)
+    pre = key_rope == "pre"
+    got = [
+        attend_module.tile_paths(tile, keys, values, kv_heads=H, dim=D, pre_rope=pre)
+        for tile in (cells[:64], cells[-8:])
+    ]
+    if not attend_module.vector_kernels():
+        codes = window = ("decoded", "decoded")
+    assert got == [codes, window]
+
+
 def test_the_kernels_run_on_torchs_threads():
     """Built without OpenMP, at::parallel_for in the extension runs everything on one thread
     (it did until this test existed): the kernels must use as many as torch is given."""

@@ -95,6 +95,7 @@ def test_the_kernels_compile_for_every_instruction_set_they_have_a_path_for():
     assert {(s.name, m) for s, m in todo} >= {
         ("attention.cpp", "x86-64"),
         ("readers.cpp", "x86-64"),
+        ("turbo.cpp", "x86-64"),
     }
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
         errors = list(pool.map(lambda job: compile_errors(*job), todo))

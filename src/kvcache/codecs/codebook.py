@@ -20,7 +20,7 @@ The levels are fitted by ``lloyd.py`` (scipy) once per (P, bits) in a process, w
 codebook of that shape is built, and rounded to steps of max |level| / 8191 (``LEVEL_STEPS``:
 moved by < 1/600 of the smallest gap between levels at 5 bits, < 1/60 at 8), so that the attention
 kernel can look them up as int16 and sum their products with an int16 query exactly
-(csrc/readers.cpp, turbo_keys16).
+(csrc/codecs/turbo.cpp, turbo_keys16).
 """
 
 from __future__ import annotations

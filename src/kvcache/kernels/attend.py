@@ -105,6 +105,17 @@ def turbo_steps_kernel(q: torch.Tensor, scale: float, signs: torch.Tensor) -> to
     return out.reshape(t, hq, d) / scale
 
 
+def tile_paths(
+    cells: torch.Tensor, keys: Layout, values: Layout, *, kv_heads: int, dim: int, pre_rope: bool
+) -> tuple[str, str]:
+    """The key path and the value path (csrc/paths.h) that read a tile of ``cells`` (int32,
+    at most 64, their rows all in the fp16 window or all in the codes) of these layouts."""
+    ext = extension()
+    k_args, v_args = layout_args(keys, pre_rope), layout_args(values, False)
+    key, value = ext.tile_paths(cells.to(torch.int32), *k_args, *v_args, kv_heads, dim)
+    return key, value
+
+
 def attend(
     q: torch.Tensor,
     plan: AttentionPlan,

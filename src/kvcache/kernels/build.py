@@ -36,10 +36,11 @@ import torch
 
 from kvcache.errors import NotSupportedError
 
-# One extension per unit, a folder of csrc/ each ("" = csrc/ itself): a unit's sources are the
-# .cpp files of its folder, and its build hashes them with every header of csrc/ and of the
-# folder, so a unit rebuilds alone when its own files change and never breaks another's load.
-UNITS = {"attention": "", "weights": "weights"}
+# One extension per unit, folders of csrc/ each ("" = csrc/ itself): a unit's sources are the
+# .cpp files of its folders, and its build hashes them with every header of csrc/ and of its
+# folders, so a unit rebuilds alone when its own files change and never breaks another's load.
+# The attention unit is csrc/ with one source per codec family in codecs/.
+UNITS = {"attention": ("", "codecs"), "weights": ("weights",)}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 
 
@@ -72,7 +73,7 @@ def unit_sources(unit: str = "attention") -> list[Path]:
     """The .cpp files of ``unit`` (a key of UNITS)."""
     if unit not in UNITS:
         raise NotSupportedError(f"no kernel unit {unit!r}; units: {sorted(UNITS)}")
-    return sorted((_source_dir() / UNITS[unit]).glob("*.cpp"))
+    return sorted(s for folder in UNITS[unit] for s in (_source_dir() / folder).glob("*.cpp"))
 
 
 def all_sources() -> list[Path]:
@@ -81,9 +82,9 @@ def all_sources() -> list[Path]:
 
 
 def _unit_files(unit: str) -> list[Path]:
-    """What a unit's build depends on: its sources, csrc/'s headers and its folder's."""
-    folder = _source_dir() / UNITS[unit]
-    headers = {*_source_dir().glob("*.h"), *folder.glob("*.h")}
+    """What a unit's build depends on: its sources, csrc/'s headers and its folders'."""
+    folders = [_source_dir() / f for f in ("", *UNITS[unit])]
+    headers = {h for folder in folders for h in folder.glob("*.h")}
     return unit_sources(unit) + sorted(headers)
 
 

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "api.h"
+#include "paths.h"
 #include "readers.h"
 #include "tiles.h"
 
@@ -45,123 +47,11 @@ struct Partials {
   float* accr;  // [E, Hq, Dv] rotated-domain sums (nullptr unless V is rotated)
 };
 
-struct Scratch {
-  std::vector<float> q, m, l, acc, accr, sc, ktile, vtile;
-  std::vector<const float*> krows, vrows;
-  std::vector<const int8_t*> kcodes, vcodes;  // int8 tiles read from the codes
-  std::vector<const uint8_t*> knib, vnib;     // 4-bit rows read from the codes
-  std::vector<const uint16_t*> khalf, vhalf;  // fp16 rows (window or fp16 storage)
-  std::vector<float> kscale, klow, vscale, vlow, pw, dots;
-  std::vector<float> qsum;  // [H * R, groups]: the scaled query's sums over key channel groups
-  std::vector<int16_t> q16;   // [H * R, D]: the scaled query in int16 steps, for 4-bit keys
-  std::vector<float> qscale;  // [H * R]: ... their size (tiles.h, quantize_query16)
-  KiviKeys kivi;               // KIVI key rows read as they are
-  TurboRows turbo, turbov;     // turbo key and value rows read as they are
-  std::vector<float> qrot;     // [H * R, D]: the scaled query in turbo's codes' domain
-  std::vector<float> ranges;   // [BLK, 2, D]: their records' channel ranges as floats
-  std::vector<uint8_t> kdom, vdom;
-  std::vector<int> ja, jb;
-  LineStream stream;  // the next tile's rows and fields, fetched while this tile's math runs
-  float sink = 0.f;  // keeps touch()'s loads
-};
-
-// How a tile's keys or values are read when not decoded into a tile first (see attend_item).
-// (HALF_ROPE: fp16 keys stored before RoPE, rotated in registers as they are scored)
-enum class Direct { NONE, INT8, AFFINE4, KIVI4, TURBO, HALF, HALF_ROPE };
-
-// 4-bit affine codes read as they are: groups of a multiple of `step` channels
-bool affine4_direct(const Reader& r, int64_t step) {
-  return r.kind == AFFINE_ROWS && r.bits == 4 && (r.D / r.scale_head) % step == 0;
-}
-
-// 4-bit affine keys scored against int16 queries (qk4_rows): blocks of 64 channels whose
-// halves each lie in one channel group
-bool affine4_keys_direct(const Reader& r) { return affine4_direct(r, 32) && r.D % 64 == 0; }
-
-Direct direct_keys(const Reader& kr, const int32_t* cells, int n) {
-  if (!KVK_AVX2) return Direct::NONE;
-  if (kr.kind == AFFINE_CHANNELS && kr.bits == 4 && kr.pre_rope && all_codes(kr, cells, n))
-    return Direct::KIVI4;
-  if (kr.pre_rope) return all_half(kr, cells, n) ? Direct::HALF_ROPE : Direct::NONE;
-  if (all_half(kr, cells, n)) return Direct::HALF;
-  if (kr.kind == INT8) return all_codes(kr, cells, n) ? Direct::INT8 : Direct::NONE;
-  if (affine4_keys_direct(kr) && all_codes(kr, cells, n)) return Direct::AFFINE4;
-  if (turbo_keys_direct(kr) && all_codes(kr, cells, n)) return Direct::TURBO;
-  return Direct::NONE;
-}
-
-Direct direct_values(const Reader& vr, const int32_t* cells, int n) {
-  if (!KVK_AVX2) return Direct::NONE;
-  if (all_half(vr, cells, n)) return Direct::HALF;  // window rows are never rotated
-  if (turbo_values_direct(vr)) return all_codes(vr, cells, n) ? Direct::TURBO : Direct::NONE;
-  if (vr.rotated) return Direct::NONE;
-  if (vr.kind == INT8) return all_codes(vr, cells, n) ? Direct::INT8 : Direct::NONE;
-  if (affine4_direct(vr, 16) && vr.meta_a == nullptr && all_codes(vr, cells, n))
-    return Direct::AFFINE4;
-  return Direct::NONE;
-}
-
-// Scores of head h from 4-bit affine key codes (k = code * scale + low per group of channels,
-// plus the sequence's key centre): the codes against the int16 query, each group's part times
-// the cells' scales (qk4_rows), plus the cells' minimums times the query's sum over each group;
-// then the centre's dot.
-void affine4_keys(const Reader& kr, int64_t h, const int32_t* cells, int a, int b, int64_t ne,
-                  int64_t G, int64_t D, Scratch& w, LineStream* ls) {
-  affine4_rows(kr, h, cells, a, b, w.knib.data(), w.kscale.data(), w.klow.data());
-  const int64_t groups = kr.scale_head, width = D / groups;
-  for (int64_t e = 0; e < ne; ++e) {
-    const int ja = w.ja[e], jb = w.jb[e];
-    if (ja >= jb) continue;
-    const int64_t r0 = (h * ne + e) * G;
-    const float* q0 = w.q.data() + r0 * D;
-    float* sc0 = w.sc.data() + e * G * BLK;
-#if KVK_AVX2  // direct_keys picks this path only where AVX2 is
-    qk4_rows(w.q16.data() + r0 * D, w.qscale.data() + r0, (int)G, (int)D, w.knib.data(), ja, jb,
-             w.kscale.data(), (int)width, sc0, ls);
-#endif
-    for (int64_t gr = 0; gr < groups; ++gr) {
-      const float* lo = w.klow.data() + gr * BLK;
-      for (int64_t g = 0; g < G; ++g) {
-        const float qs = w.qsum[(r0 + g) * groups + gr];
-        float* sc = sc0 + g * BLK;
-        for (int j = ja; j < jb; ++j) sc[j] += lo[j] * qs;
-      }
-    }
-    if (kr.meta_a != nullptr)
-      add_centre_scores(kr, h, cells, ja, jb, q0, (int)G, w.dots.data(), sc0);
-  }
-}
-
-// Values of head h from 4-bit affine codes (x = code * scale + low per group of channels):
-// per group, the weights times the cells' scales through the tile math (the packed codes read
-// as they are, NibbleRows: no staged copy; docs/design/kernels.md), plus the weighted sum of
-// the cells' minimums.
-void affine4_values(const Reader& vr, int64_t h, const int32_t* cells, int a, int b,
-                    int64_t ne, int64_t G, int64_t Dv, Scratch& w, LineStream* ls) {
-  affine4_rows(vr, h, cells, a, b, w.vnib.data(), w.vscale.data(), w.vlow.data());
-  const int64_t groups = vr.scale_head, width = Dv / groups;
-  for (int64_t e = 0; e < ne; ++e) {
-    const int ja = w.ja[e], jb = w.jb[e];
-    if (ja >= jb) continue;
-    const float* p0 = w.sc.data() + e * G * BLK;
-    float* acc = w.acc.data() + (h * ne + e) * G * Dv;
-    for (int64_t gr = 0; gr < groups; ++gr) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float bias =
-            scaled_weights(p0 + g * BLK + ja, w.vscale.data() + gr * BLK + ja,
-                           w.vlow.data() + gr * BLK + ja, w.pw.data() + g * BLK + ja, jb - ja);
-        add_const(bias, acc + g * Dv + gr * width, (int)width);
-      }
-      pv_rows<NibbleRows>(w.pw.data(), (int)G, w.vnib.data(), ja, jb, (int)Dv, acc,
-                          (int)(gr * width), (int)((gr + 1) * width), ls);
-    }
-  }
-}
-
-// One segment, every KV head: per tile of cells, each head's keys (decoded), scores, softmax
-// update, values. Heads inside the tile loop read each cell's row [H, D] in one stream.
-// flatten: every call inside is inlined (with the 4-bit branch GCC stopped inlining the int8
-// tile math here, and the int8 calls got slower: docs/design/kernels.md)
+// One segment, every KV head: per tile of cells, each head's keys (by the tile's key path),
+// scores, softmax update, values (by its value path). Heads inside the tile loop read each
+// cell's row [H, D] in one stream. flatten: the calls inside are inlined, but the paths' rows,
+// each flattened itself (paths.h: GCC inlines the tile math into a small function, where it
+// stopped doing so into one that held every path: docs/design/kernels.md)
 __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const float* q,
                                           int64_t Hq, int64_t H, const Reader& kr,
                                           const Reader& vr, const Rope& rope, float scale,
@@ -269,63 +159,17 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
       w.stream.start();
       ls = &w.stream;
     }
-    // Rows read as stored, without a decoded tile: fp16 rows (fp16 storage or the recent
-    // window; converted as loaded, keys stored before RoPE rotated in registers as they are
-    // scored), and when every row of the tile is in the codes: int8 keys
-    // after RoPE (scores times the key scales), 4-bit affine keys after RoPE (affine4_keys),
-    // 4-bit KIVI keys before RoPE (decoded and rotated in registers as they are scored),
-    // int8 values (weights times the value scales), 4-bit affine values (weights times each
-    // group's scale, plus the weighted sum of the group minimums)
-    const Direct kd = direct_keys(kr, cells + a, b - a);
-    const Direct vd = direct_values(vr, cells + a, b - a);
+    // the first row of each path table (paths.h) that fits the tile's visible cells
+    const KeyPath& kp = first_fit(KEY_PATHS, kr, cells + a, b - a);
+    const ValuePath& vp = first_fit(VALUE_PATHS, vr, cells + a, b - a);
+    const TileCtx t{kr, vr, rope, cells, pos, a, b, ne, G, R, D, Dv, w, ls};
     for (int64_t h = 0; h < H; ++h) {
-      if (kd == Direct::INT8)
-        int8_rows(kr, h, cells, a, b, w.kcodes.data(), w.kscale.data());
-      else if (kd == Direct::AFFINE4)
-        affine4_keys(kr, h, cells, a, b, ne, G, D, w, ls);
-      else if (kd == Direct::HALF)
-        half_rows(kr, h, cells, a, b, w.khalf.data());
-      else if (kd == Direct::KIVI4)
-        kivi4_keys(kr, h, cells, pos, a, b, rope, w.ranges.data(), w.kivi);
-      else if (kd == Direct::HALF_ROPE)
-        rope_half_keys(kr, h, cells, pos, a, b, rope, w.kivi);
-      else if (kd == Direct::TURBO)
-        turbo_keys(kr, h, cells, pos, a, b, rope, w.q.data() + h * R * D, (int)R, w.turbo);
-      else
-        decode(kr, h, cells, pos, a, b, w.ktile.data(), w.krows.data(), w.kdom.data(), rope);
+      kp.load(t, h);
       for (int64_t e = 0; e < ne; ++e) {
         const int ja = w.ja[e], jb = w.jb[e];
         if (ja >= jb) continue;
+        kp.score(t, h, e);
         const int64_t r0 = (h * ne + e) * G;
-        float* sc0 = w.sc.data() + e * G * BLK;
-        if (kd == Direct::INT8) {
-#if KVK_AVX2
-          qk8_rows(w.q16.data() + r0 * D, w.qscale.data() + r0, (int)G, (int)D, w.kcodes.data(),
-                   ja, jb, sc0, ls);
-#endif
-          for (int64_t g = 0; g < G; ++g)
-            mul_rows(w.kscale.data() + ja, sc0 + g * BLK + ja, jb - ja);
-        } else if (kd == Direct::KIVI4 || kd == Direct::HALF_ROPE) {
-#if KVK_AVX2
-          qk_kivi_rows(w.q.data() + r0 * D, (int)G, w.kivi, ja, jb, (int)D, sc0, ls,
-                       kd == Direct::HALF_ROPE);
-#endif
-        } else if (kd == Direct::TURBO) {
-          if (KVK_AVX2 && turbo_keys16(kr) && w.turbo.exact16)
-            qk_turbo16_rows(kr, w.q16.data() + r0 * D, w.qscale.data() + r0, (int)G,
-                            (int)(e * G), w.turbo, ja, jb, sc0, ls);
-          else  // float levels (off the int16 grid, or other bits)
-            qk_turbo_rows(kr, w.qrot.data() + r0 * D, (int)G, (int)(e * G), w.turbo, ja, jb,
-                          sc0, ls);
-          if (kr.meta_a != nullptr && !kr.centre_rope)  // a centre as it is
-            add_centre_scores(kr, h, cells, ja, jb, w.q.data() + r0 * D, (int)G, w.dots.data(),
-                              sc0);
-        } else if (kd == Direct::HALF) {
-          qk_rows<HalfRows>(w.q.data() + r0 * D, (int)G, w.khalf.data(), ja, jb, (int)D, sc0, 0,
-                            -1, ls);
-        } else if (kd == Direct::NONE) {
-          qk_rows(w.q.data() + r0 * D, (int)G, w.krows.data(), ja, jb, (int)D, sc0, 0, -1, ls);
-        }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = r0 + g;
           float* sc = w.sc.data() + (e * G + g) * BLK;
@@ -340,62 +184,7 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
           w.l[r] += exp_shift_sum(sc + ja, jb - ja, bm);
         }
       }
-      if (vd == Direct::INT8) {
-        int8_rows(vr, h, cells, a, b, w.vcodes.data(), w.vscale.data());
-        for (int64_t e = 0; e < ne; ++e) {
-          const int ja = w.ja[e], jb = w.jb[e];
-          if (ja >= jb) continue;
-          float* p0 = w.sc.data() + e * G * BLK;
-          for (int64_t g = 0; g < G; ++g)
-            mul_rows(w.vscale.data() + ja, p0 + g * BLK + ja, jb - ja);
-          pv_rows<Int8Rows>(p0, (int)G, w.vcodes.data(), ja, jb, (int)Dv,
-                            w.acc.data() + (h * ne + e) * G * Dv, 0, -1, ls);
-        }
-        continue;
-      }
-      if (vd == Direct::TURBO) {  // rotated-domain sums: weights times the norms, then levels
-        turbo_values(vr, h, cells, a, b, w.turbov);
-        for (int64_t e = 0; e < ne; ++e) {
-          const int ja = w.ja[e], jb = w.jb[e];
-          if (ja >= jb) continue;
-          float* p0 = w.sc.data() + e * G * BLK;
-          for (int64_t g = 0; g < G; ++g) mul_rows(w.turbov.s + ja, p0 + g * BLK + ja, jb - ja);
-          pv_turbo_rows(vr, p0, (int)G, w.turbov, ja, jb, w.accr.data() + (h * ne + e) * G * Dv,
-                        ls);
-        }
-        continue;
-      }
-      if (vd == Direct::HALF) {
-        half_rows(vr, h, cells, a, b, w.vhalf.data());
-        for (int64_t e = 0; e < ne; ++e)
-          if (w.ja[e] < w.jb[e])
-            pv_rows<HalfRows>(w.sc.data() + e * G * BLK, (int)G, w.vhalf.data(), w.ja[e], w.jb[e],
-                              (int)Dv, w.acc.data() + (h * ne + e) * G * Dv, 0, -1, ls);
-        continue;
-      }
-      if (vd == Direct::AFFINE4) {
-        affine4_values(vr, h, cells, a, b, ne, G, Dv, w, ls);
-        continue;
-      }
-      decode(vr, h, cells, pos, a, b, w.vtile.data(), w.vrows.data(), w.vdom.data(), rope);
-      int rotated = 0;  // turbo values summed in the rotated domain: all a tile's rows or none
-      for (int j = a; j < b; ++j) rotated += w.vdom[j] != 0;
-      for (int64_t e = 0; e < ne; ++e) {
-        const int ja = w.ja[e], jb = w.jb[e];
-        if (ja >= jb) continue;
-        const int64_t r0 = (h * ne + e) * G;
-        if (rotated == 0 || rotated == b - a) {
-          float* acc = (rotated ? w.accr.data() : w.acc.data()) + r0 * Dv;
-          pv_rows(w.sc.data() + e * G * BLK, (int)G, w.vrows.data(), ja, jb, (int)Dv, acc, 0, -1,
-                  ls);
-          continue;
-        }
-        for (int j = ja; j < jb; ++j) {  // a mix (not cut by uniform_prefix): row by row
-          float* dst = (w.vdom[j] ? w.accr.data() : w.acc.data()) + r0 * Dv;
-          for (int64_t g = 0; g < G; ++g)
-            axpy(w.sc[(e * G + g) * BLK + j], w.vrows[j], dst + g * Dv, (int)Dv);
-        }
-      }
+      vp.add(t, h);
     }
     if (ls != nullptr) ls->finish();  // the next tile's lines the math did not reach
   }
@@ -663,6 +452,26 @@ at::Tensor gather(const at::Tensor& cells, const at::Tensor& pos,
   return out;
 }
 
+// The key path and the value path (paths.h) that would read a tile of `cells` (at most BLK,
+// all one way: uniform_prefix) of buffers with these layouts: what a test or a user asks to
+// see which path a codec takes.
+std::vector<std::string> tile_paths(const at::Tensor& cells,
+                                    const std::vector<at::Tensor>& k_tensors,
+                                    const std::vector<int64_t>& k_ints,
+                                    const std::vector<at::Tensor>& v_tensors,
+                                    const std::vector<int64_t>& v_ints, int64_t heads,
+                                    int64_t dim) {
+  check_int(cells, at::kInt, 1, "cells");
+  const int n = (int)cells.size(0);
+  TORCH_CHECK(n > 0 && n <= BLK, "kvcache kernel: a tile holds 1 to ", BLK, " cells");
+  const Reader kr = make_reader(k_tensors, k_ints, heads, dim);
+  const Reader vr = make_reader(v_tensors, v_ints, heads, dim);
+  const int32_t* c = cells.data_ptr<int32_t>();
+  TORCH_CHECK(uniform_prefix(kr, c, n) == n && uniform_prefix(vr, c, n) == n,
+              "kvcache kernel: a tile's rows are all in the window or all in the codes");
+  return {first_fit(KEY_PATHS, kr, c, n).name, first_fit(VALUE_PATHS, vr, c, n).name};
+}
+
 // quantize_query16 over rows q [R, D] float32, as a 4-bit key call (nibble_order, D a multiple
 // of 64) or an int8 key call (channel order, D a multiple of 16) rounds its queries: the
 // rounded rows, their int16 steps in the kernel's layout (tiles.h) and each row's step. Tests
@@ -722,65 +531,7 @@ int64_t parallel_threads(int64_t n) {
 
 // The vector paths this build has: "avx512", "avx2" or "none" (plain loops, as on a CPU
 // without AVX2 or not x86). Only the vector paths meet int8 and 4-bit affine keys in int16
-// products of a rounded query (direct_keys); plain loops score decoded keys with the query.
+// products of a rounded query (paths.h); plain loops score decoded keys with the query.
 std::string isa() { return KVK_AVX512 ? "avx512" : KVK_AVX2 ? "avx2" : "none"; }
 
-// linear.cpp
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                       const at::Tensor& residual, const at::Tensor& norm, double eps, bool glu);
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
-// encode.cpp
-void encode_int8(const at::Tensor& x, const at::Tensor& cells, at::Tensor& codes,
-                 at::Tensor& scale);
-void encode_affine(const at::Tensor& x, const at::Tensor& cells, int64_t bits, int64_t group,
-                   at::Tensor& codes, at::Tensor& scale, at::Tensor& low, int64_t refits);
-void range_channels(const at::Tensor& x, int64_t meta, int64_t bits, at::Tensor& scale,
-                    at::Tensor& low);
-void encode_channels(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& metas,
-                     int64_t bits, at::Tensor& codes, const at::Tensor& scale,
-                     const at::Tensor& low);
-void encode_turbo(const at::Tensor& x, const at::Tensor& cells, const at::Tensor& offsets,
-                  const at::Tensor& signs, const at::Tensor& cell_codes,
-                  const at::Tensor& cell_squares, int64_t grid_bits, int64_t bits,
-                  at::Tensor& codes, at::Tensor& scale);
-// rows.cpp
-at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-std::vector<at::Tensor> split_heads(const at::Tensor& qkv, int64_t hq, int64_t hkv,
-                                    const at::Tensor& cos, const at::Tensor& sin,
-                                    bool rotate_keys, const at::Tensor& q_norm,
-                                    const at::Tensor& k_norm, double eps);
-void put_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
-              const at::Tensor& rows);
-// dense.cpp
-at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& windows, double scale);
-
 }  // namespace kvk
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &kvk::attend, "attention over plan segments from the codes, merged per row");
-  m.def("partials", &kvk::partials, "attention partial sums over plan segments, from the codes");
-  m.def("merge", &kvk::merge, "merge each row's partial sums");
-  m.def("gather", &kvk::gather, "decoded rows of cells");
-  m.def("linear_rows", &kvk::linear_rows,
-        "f(x) @ w^T (+ bias) (+ residual) for a few rows of x; f: RMSNorm by `norm`, SwiGLU "
-        "(glu), or none",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("residual"), py::arg("norm"),
-        py::arg("eps"), py::arg("glu"));
-  m.def("rms_norm_rows", &kvk::rms_norm_rows, "RMSNorm of rows times a weight");
-  m.def("rope_rows", &kvk::rope_rows, "RoPE (rotate-half) of rows from cos/sin tables");
-  m.def("split_heads", &kvk::split_heads,
-        "q, k, v of a fused projection's rows: per-head norms (optional) and RoPE");
-  m.def("put_rows", &kvk::put_rows, "rows copied into slots of a float32/float16 buffer");
-  m.def("dense_attention", &kvk::dense_attention, "unmasked attention over dense windows");
-  m.def("query_steps16", &kvk::query_steps16, "queries rounded to int16 steps (4-bit, 8-bit keys)",
-        py::arg("q"), py::arg("nibble_order") = true);
-  m.def("turbo_steps16", &kvk::turbo_steps16, "queries as turbo keys score them (int16 steps)");
-  m.def("encode_int8", &kvk::encode_int8, "int8 codes and scales of rows, into their cells");
-  m.def("encode_affine", &kvk::encode_affine, "affine codes, scales, minimums, into cells");
-  m.def("range_channels", &kvk::range_channels, "a record's channel ranges over its rows");
-  m.def("encode_channels", &kvk::encode_channels, "codes of rows against their records' ranges");
-  m.def("encode_turbo", &kvk::encode_turbo, "turbo codes and flagged scales of rows, into cells");
-  m.def("parallel_threads", &kvk::parallel_threads, "threads an at::parallel_for ran on");
-  m.def("isa", &kvk::isa, "the vector paths of this build: avx512, avx2 or none");
-}

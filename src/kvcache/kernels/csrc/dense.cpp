@@ -15,6 +15,7 @@
 #include <limits>
 #include <vector>
 
+#include "api.h"
 #include "matrows.h"
 
 namespace kvk {

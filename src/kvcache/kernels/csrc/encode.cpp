@@ -30,6 +30,8 @@
 #include <limits>
 #include <vector>
 
+#include "api.h"
+
 namespace kvk {
 
 namespace {

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "api.h"
 #include "matrows.h"
 
 namespace kvk {

@@ -1,6 +1,6 @@
 // Codec readers: decode a block of cells' rows of one KV head into float rows, straight from
-// the stored codes (the layouts: kvcache.codecs.base.Layout; kvcache/kernels/attend.py's
-// layout_args builds the tensor list a Reader is made from).
+// the stored codes (what a Reader is made from: contract.h; one unit per codec family in
+// codecs/).
 //
 // decode() fills rows[j] (a pointer to D floats) for j in [a, b) of a block of cells:
 //   * fp32 storage without RoPE to apply hands back pointers into the storage itself;
@@ -16,25 +16,11 @@
 
 #include <vector>
 
+#include "contract.h"
 #include "simd.h"
 #include "tiles.h"
 
 namespace kvk {
-
-// codec kinds: kvcache.codecs.base (F32 ... TURBO)
-enum Kind : int64_t { F32 = 0, F16, BF16, INT8, AFFINE_ROWS, AFFINE_CHANNELS, TURBO };
-
-// tensor slots of a reader, in the order kvcache/kernels/attend.py passes a Layout's fields
-enum Slot : int {
-  DATA = 0, SCALE, LOW, META_OF, META_A, META_B, WINDOW, RESIDUAL, CENTROIDS, SIGNS, NUM_SLOTS
-};
-// int slots
-enum IntSlot : int { KIND = 0, BITS, GROUP, LOG_SCALE, ROPE_MODE, ROTATED, NUM_INTS };
-// how keys stand to RoPE (the ROPE_MODE slot): stored after it; before it (rotated by position
-// when read); after it, minus a centre (meta_a) that is rotated to each cell's position
-enum RopeMode : int64_t { AFTER_ROPE = 0, BEFORE_ROPE = 1, CENTRE_ROPE = 2 };
-
-constexpr int kMaxDim = 256;  // head_dim the kernels take (causal.py, _kernel_shapes)
 
 struct Rope {
   const float* cos = nullptr;  // [P, D/2]

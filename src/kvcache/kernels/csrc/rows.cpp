@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "api.h"
 #include "simd.h"
 
 namespace kvk {

@@ -365,7 +365,7 @@ struct KiviKeys {
 
 #if KVK_AVX2
 // RoPE of a key's channels [i, i + W) (x1 -> *r1) and [i + D/2, ...) (x2 -> *r2) by the cos /
-// sin rows of its position: the operations of readers.cpp's apply_rope, in its order
+// sin rows of its position: the operations of codecs/family.h's apply_rope, in its order
 template <typename V>
 inline void rope_pair(typename V::V x1, typename V::V x2, const float* cs, const float* sn,
                       int64_t i, typename V::V* r1, typename V::V* r2) {
@@ -376,7 +376,7 @@ inline void rope_pair(typename V::V x1, typename V::V x2, const float* cs, const
 
 // A KIVI key row's channels [i, i + W) (*r1) and [i + D/2, ...) (*r2): codes times the channel
 // scales a plus the minimums b, rotated by the cos / sin rows (the decoder's one pass in
-// readers.cpp and the fused scores below)
+// codecs/affine.cpp and the fused scores below)
 // (a1, b1: the scales and minimums of channels [i, i + W), a2, b2: of [i + D/2, ...))
 template <typename V>
 inline void kivi_rotated(const uint8_t* row, typename V::V a1, typename V::V b1, typename V::V a2,
