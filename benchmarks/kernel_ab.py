@@ -75,7 +75,11 @@ def build_base(rev: str) -> str:
         cwd=folder, env={**os.environ, "PYTHONPATH": str(folder / "src")},
         check=True, capture_output=True, text=True,
     )  # fmt: skip
-    return out.stdout.strip().rsplit(" ", 1)[-1]
+    # one line per unit (python -m kvcache.kernels): the attention unit's is the one compared
+    lines = [line for line in out.stdout.splitlines() if "(attention)" in line]
+    if not lines:  # a revision from before the units printed their names
+        lines = out.stdout.strip().splitlines()[-1:]
+    return lines[0].rsplit(" ", 1)[-1]
 
 
 def compare(

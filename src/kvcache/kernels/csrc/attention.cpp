@@ -65,7 +65,7 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
   w.l.assign(H * R, 0.f);
   w.acc.assign(H * R * Dv, 0.f);
   if (vr.rotated) w.accr.assign(H * R * Dv, 0.f);
-  w.sc.resize(R * BLK);
+  w.sc.resize(H * R * BLK);  // each head's scores apart: a path scores every head, then sums
   w.pw.resize(G * BLK);
   w.dots.resize(G);
   w.ja.resize(ne);
@@ -163,29 +163,8 @@ __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const flo
     const KeyPath& kp = first_fit(KEY_PATHS, kr, cells + a, b - a);
     const ValuePath& vp = first_fit(VALUE_PATHS, vr, cells + a, b - a);
     const TileCtx t{kr, vr, rope, cells, pos, a, b, ne, G, R, D, Dv, w, ls};
-    for (int64_t h = 0; h < H; ++h) {
-      kp.load(t, h);
-      for (int64_t e = 0; e < ne; ++e) {
-        const int ja = w.ja[e], jb = w.jb[e];
-        if (ja >= jb) continue;
-        kp.score(t, h, e);
-        const int64_t r0 = (h * ne + e) * G;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = r0 + g;
-          float* sc = w.sc.data() + (e * G + g) * BLK;
-          const float bm = row_max(sc + ja, jb - ja, w.m[r]);
-          if (bm > w.m[r]) {
-            const float f = std::exp(w.m[r] - bm);  // 0 when the old max is -inf
-            w.l[r] *= f;
-            scale_row(f, w.acc.data() + r * Dv, (int)Dv);
-            if (vr.rotated) scale_row(f, w.accr.data() + r * Dv, (int)Dv);
-            w.m[r] = bm;
-          }
-          w.l[r] += exp_shift_sum(sc + ja, jb - ja, bm);
-        }
-      }
-      vp.add(t, h);
-    }
+    kp.scores(t);  // every head's scores and softmax update, then every head's values
+    vp.add(t);
     if (ls != nullptr) ls->finish();  // the next tile's lines the math did not reach
   }
   for (int64_t h = 0; h < H; ++h) {

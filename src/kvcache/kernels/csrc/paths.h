@@ -7,6 +7,7 @@
 // build decodes every tile. Why each path exists and what it measured: docs/design/kernels.md.
 #pragma once
 
+#include <cmath>
 #include <vector>
 
 #include "readers.h"
@@ -49,21 +50,21 @@ struct TileCtx {
   LineStream* ls;
 };
 
-// A key path: fits(reader, the tile's cells, their count); load(tile, head) reads head h's
-// rows; score(tile, head, entry) writes the entry's scores sc[g * BLK + j] for its cells.
+// A key path: fits(reader, the tile's cells, their count); scores(tile): for every head, its
+// rows loaded, each entry's scores sc[g * BLK + j] of its cells, and the softmax update of its
+// rows (key_tile below: one call a tile, the path's loads and scores inlined into it).
 struct KeyPath {
   const char* name;
   bool (*fits)(const Reader& kr, const int32_t* cells, int n);
-  void (*load)(const TileCtx& t, int64_t h);
-  void (*score)(const TileCtx& t, int64_t h, int64_t e);
+  void (*scores)(const TileCtx& t);
 };
 
-// A value path: fits as above; add(tile, head) adds every entry's weighted value rows (the
-// scores after the softmax update) to its sums.
+// A value path: fits as above; add(tile): every head's entries' weighted value rows (the
+// weights the softmax update left in sc) added to their sums.
 struct ValuePath {
   const char* name;
   bool (*fits)(const Reader& vr, const int32_t* cells, int n);
-  void (*add)(const TileCtx& t, int64_t h);
+  void (*add)(const TileCtx& t);
 };
 
 // 4-bit affine codes read as they are: groups of a multiple of `step` channels
@@ -79,9 +80,11 @@ inline bool affine4_keys_direct(const Reader& r) {
 
 namespace paths {
 
-// the entry's scores and first query row
-inline float* scores(const TileCtx& t, int64_t e) { return t.w.sc.data() + e * t.G * BLK; }
+// the first query row of entry e of head h, and its scores [G, BLK] (every head's apart)
 inline int64_t first_row(const TileCtx& t, int64_t h, int64_t e) { return (h * t.ne + e) * t.G; }
+inline float* scores(const TileCtx& t, int64_t h, int64_t e) {
+  return t.w.sc.data() + first_row(t, h, e) * BLK;
+}
 
 // ---- keys ------------------------------------------------------------------------------
 
@@ -98,7 +101,7 @@ template <bool HALF>
 __attribute__((flatten)) inline void rope_score(const TileCtx& t, int64_t h, int64_t e) {
 #if KVK_AVX2
   qk_kivi_rows(t.w.q.data() + first_row(t, h, e) * t.D, (int)t.G, t.w.kivi, t.w.ja[e], t.w.jb[e],
-               (int)t.D, scores(t, e), t.ls, HALF);
+               (int)t.D, scores(t, h, e), t.ls, HALF);
 #else
   (void)t, (void)h, (void)e;
 #endif
@@ -122,7 +125,7 @@ __attribute__((flatten)) inline void half_keys_load(const TileCtx& t, int64_t h)
 }
 __attribute__((flatten)) inline void half_keys_score(const TileCtx& t, int64_t h, int64_t e) {
   qk_rows<HalfRows>(t.w.q.data() + first_row(t, h, e) * t.D, (int)t.G, t.w.khalf.data(),
-                    t.w.ja[e], t.w.jb[e], (int)t.D, scores(t, e), 0, -1, t.ls);
+                    t.w.ja[e], t.w.jb[e], (int)t.D, scores(t, h, e), 0, -1, t.ls);
 }
 
 // int8 keys after RoPE, all in the codes: the codes against the int16 query, times the scales
@@ -135,7 +138,7 @@ __attribute__((flatten)) inline void int8_keys_load(const TileCtx& t, int64_t h)
 __attribute__((flatten)) inline void int8_keys_score(const TileCtx& t, int64_t h, int64_t e) {
   const int ja = t.w.ja[e], jb = t.w.jb[e];
   const int64_t r0 = first_row(t, h, e);
-  float* sc0 = scores(t, e);
+  float* sc0 = scores(t, h, e);
 #if KVK_AVX2
   qk8_rows(t.w.q16.data() + r0 * t.D, t.w.qscale.data() + r0, (int)t.G, (int)t.D,
            t.w.kcodes.data(), ja, jb, sc0, t.ls);
@@ -158,7 +161,7 @@ __attribute__((flatten)) inline void affine4_keys_score(const TileCtx& t, int64_
   const int ja = w.ja[e], jb = w.jb[e];
   const int64_t groups = t.kr.scale_head, width = t.D / groups, r0 = first_row(t, h, e);
   const float* q0 = w.q.data() + r0 * t.D;
-  float* sc0 = scores(t, e);
+  float* sc0 = scores(t, h, e);
 #if KVK_AVX2
   qk4_rows(w.q16.data() + r0 * t.D, w.qscale.data() + r0, (int)t.G, (int)t.D, w.knib.data(), ja,
            jb, w.kscale.data(), (int)width, sc0, t.ls);
@@ -188,7 +191,7 @@ __attribute__((flatten)) inline void turbo_keys_score(const TileCtx& t, int64_t 
   Scratch& w = t.w;
   const int ja = w.ja[e], jb = w.jb[e];
   const int64_t r0 = first_row(t, h, e);
-  float* sc0 = scores(t, e);
+  float* sc0 = scores(t, h, e);
   if (KVK_AVX2 && turbo_keys16(t.kr) && w.turbo.exact16)
     qk_turbo16_rows(t.kr, w.q16.data() + r0 * t.D, w.qscale.data() + r0, (int)t.G,
                     (int)(e * t.G), w.turbo, ja, jb, sc0, t.ls);
@@ -208,7 +211,7 @@ __attribute__((flatten)) inline void decoded_keys_load(const TileCtx& t, int64_t
 }
 __attribute__((flatten)) inline void decoded_keys_score(const TileCtx& t, int64_t h, int64_t e) {
   qk_rows(t.w.q.data() + first_row(t, h, e) * t.D, (int)t.G, t.w.krows.data(), t.w.ja[e],
-          t.w.jb[e], (int)t.D, scores(t, e), 0, -1, t.ls);
+          t.w.jb[e], (int)t.D, scores(t, h, e), 0, -1, t.ls);
 }
 
 // ---- values ----------------------------------------------------------------------------
@@ -222,7 +225,7 @@ __attribute__((flatten)) inline void half_values_add(const TileCtx& t, int64_t h
   half_rows(t.vr, h, t.cells, t.a, t.b, w.vhalf.data());
   for (int64_t e = 0; e < t.ne; ++e)
     if (w.ja[e] < w.jb[e])
-      pv_rows<HalfRows>(scores(t, e), (int)t.G, w.vhalf.data(), w.ja[e], w.jb[e], (int)t.Dv,
+      pv_rows<HalfRows>(scores(t, h, e), (int)t.G, w.vhalf.data(), w.ja[e], w.jb[e], (int)t.Dv,
                         w.acc.data() + (h * t.ne + e) * t.G * t.Dv, 0, -1, t.ls);
 }
 
@@ -237,7 +240,7 @@ __attribute__((flatten)) inline void turbo_values_add(const TileCtx& t, int64_t 
   for (int64_t e = 0; e < t.ne; ++e) {
     const int ja = w.ja[e], jb = w.jb[e];
     if (ja >= jb) continue;
-    float* p0 = scores(t, e);
+    float* p0 = scores(t, h, e);
     for (int64_t g = 0; g < t.G; ++g) mul_rows(w.turbov.s + ja, p0 + g * BLK + ja, jb - ja);
     pv_turbo_rows(t.vr, p0, (int)t.G, w.turbov, ja, jb,
                   w.accr.data() + (h * t.ne + e) * t.G * t.Dv, t.ls);
@@ -254,7 +257,7 @@ __attribute__((flatten)) inline void int8_values_add(const TileCtx& t, int64_t h
   for (int64_t e = 0; e < t.ne; ++e) {
     const int ja = w.ja[e], jb = w.jb[e];
     if (ja >= jb) continue;
-    float* p0 = scores(t, e);
+    float* p0 = scores(t, h, e);
     for (int64_t g = 0; g < t.G; ++g) mul_rows(w.vscale.data() + ja, p0 + g * BLK + ja, jb - ja);
     pv_rows<Int8Rows>(p0, (int)t.G, w.vcodes.data(), ja, jb, (int)t.Dv,
                       w.acc.data() + (h * t.ne + e) * t.G * t.Dv, 0, -1, t.ls);
@@ -275,7 +278,7 @@ __attribute__((flatten)) inline void affine4_values_add(const TileCtx& t, int64_
   for (int64_t e = 0; e < t.ne; ++e) {
     const int ja = w.ja[e], jb = w.jb[e];
     if (ja >= jb) continue;
-    const float* p0 = scores(t, e);
+    const float* p0 = scores(t, h, e);
     float* acc = w.acc.data() + (h * t.ne + e) * t.G * t.Dv;
     for (int64_t gr = 0; gr < groups; ++gr) {
       for (int64_t g = 0; g < t.G; ++g) {
@@ -305,35 +308,79 @@ __attribute__((flatten)) inline void decoded_values_add(const TileCtx& t, int64_
     const int64_t r0 = first_row(t, h, e);
     if (rotated == 0 || rotated == b - a) {
       float* acc = (rotated ? w.accr.data() : w.acc.data()) + r0 * Dv;
-      pv_rows(scores(t, e), (int)G, w.vrows.data(), ja, jb, (int)Dv, acc, 0, -1, t.ls);
+      pv_rows(scores(t, h, e), (int)G, w.vrows.data(), ja, jb, (int)Dv, acc, 0, -1, t.ls);
       continue;
     }
     for (int j = ja; j < jb; ++j) {  // a mix (not cut by uniform_prefix): row by row
       float* dst = (w.vdom[j] ? w.accr.data() : w.acc.data()) + r0 * Dv;
       for (int64_t g = 0; g < G; ++g)
-        axpy(w.sc[(e * G + g) * BLK + j], w.vrows[j], dst + g * Dv, (int)Dv);
+        axpy(w.sc[(r0 + g) * BLK + j], w.vrows[j], dst + g * Dv, (int)Dv);
     }
   }
+}
+
+// the online softmax update of entry e of head h from its scores: each row's running max,
+// sum and value sums rescaled where the tile raised the max, the scores turned into weights
+inline void softmax_update(const TileCtx& t, int64_t h, int64_t e) {
+  Scratch& w = t.w;
+  const int ja = w.ja[e], jb = w.jb[e];
+  const int64_t Dv = t.Dv;
+  for (int64_t r = first_row(t, h, e), end = r + t.G; r < end; ++r) {
+    float* sc = w.sc.data() + r * BLK;
+    const float bm = row_max(sc + ja, jb - ja, w.m[r]);
+    if (bm > w.m[r]) {
+      const float f = std::exp(w.m[r] - bm);  // 0 when the old max is -inf
+      w.l[r] *= f;
+      scale_row(f, w.acc.data() + r * Dv, (int)Dv);
+      if (t.vr.rotated) scale_row(f, w.accr.data() + r * Dv, (int)Dv);
+      w.m[r] = bm;
+    }
+    w.l[r] += exp_shift_sum(sc + ja, jb - ja, bm);
+  }
+}
+
+// a key path's one call a tile: per head, LOAD its rows, then per entry SCORE and update
+template <void (*LOAD)(const TileCtx&, int64_t), void (*SCORE)(const TileCtx&, int64_t, int64_t)>
+void key_tile(const TileCtx& t) {
+  for (int64_t h = 0; h < t.kr.H; ++h) {
+    LOAD(t, h);
+    for (int64_t e = 0; e < t.ne; ++e) {
+      if (t.w.ja[e] >= t.w.jb[e]) continue;
+      SCORE(t, h, e);
+      softmax_update(t, h, e);
+    }
+  }
+}
+
+// a value path's one call a tile: ADD per head
+template <void (*ADD)(const TileCtx&, int64_t)>
+void value_tile(const TileCtx& t) {
+  for (int64_t h = 0; h < t.vr.H; ++h) ADD(t, h);
 }
 
 }  // namespace paths
 
 // The tables, in the order they are tried: the first row that fits a tile reads it.
 inline constexpr KeyPath KEY_PATHS[] = {
-    {"kivi4 before RoPE", paths::kivi4_fits, paths::kivi4_load, paths::rope_score<false>},
-    {"fp16 before RoPE", paths::half_rope_fits, paths::half_rope_load, paths::rope_score<true>},
-    {"fp16", paths::half_keys_fits, paths::half_keys_load, paths::half_keys_score},
-    {"int8", paths::int8_keys_fits, paths::int8_keys_load, paths::int8_keys_score},
-    {"affine4", paths::affine4_keys_fits, paths::affine4_keys_load, paths::affine4_keys_score},
-    {"turbo", paths::turbo_keys_fits, paths::turbo_keys_load, paths::turbo_keys_score},
-    {"decoded", paths::any_fits, paths::decoded_keys_load, paths::decoded_keys_score},
+    {"kivi4 before RoPE", paths::kivi4_fits,
+     paths::key_tile<paths::kivi4_load, paths::rope_score<false>>},
+    {"fp16 before RoPE", paths::half_rope_fits,
+     paths::key_tile<paths::half_rope_load, paths::rope_score<true>>},
+    {"fp16", paths::half_keys_fits, paths::key_tile<paths::half_keys_load, paths::half_keys_score>},
+    {"int8", paths::int8_keys_fits, paths::key_tile<paths::int8_keys_load, paths::int8_keys_score>},
+    {"affine4", paths::affine4_keys_fits,
+     paths::key_tile<paths::affine4_keys_load, paths::affine4_keys_score>},
+    {"turbo", paths::turbo_keys_fits,
+     paths::key_tile<paths::turbo_keys_load, paths::turbo_keys_score>},
+    {"decoded", paths::any_fits,
+     paths::key_tile<paths::decoded_keys_load, paths::decoded_keys_score>},
 };
 inline constexpr ValuePath VALUE_PATHS[] = {
-    {"fp16", paths::half_values_fits, paths::half_values_add},
-    {"turbo", paths::turbo_values_fits, paths::turbo_values_add},
-    {"int8", paths::int8_values_fits, paths::int8_values_add},
-    {"affine4", paths::affine4_values_fits, paths::affine4_values_add},
-    {"decoded", paths::any_fits, paths::decoded_values_add},
+    {"fp16", paths::half_values_fits, paths::value_tile<paths::half_values_add>},
+    {"turbo", paths::turbo_values_fits, paths::value_tile<paths::turbo_values_add>},
+    {"int8", paths::int8_values_fits, paths::value_tile<paths::int8_values_add>},
+    {"affine4", paths::affine4_values_fits, paths::value_tile<paths::affine4_values_add>},
+    {"decoded", paths::any_fits, paths::value_tile<paths::decoded_values_add>},
 };
 
 template <typename Path, size_t N>
