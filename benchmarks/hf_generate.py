@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import os
 import statistics
 import time
@@ -264,6 +265,14 @@ def draw(rows: list[dict[str, Any]], batches: list[int]) -> Callable[[Any, Any],
     return inner
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (its parent package missing counts as not)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
@@ -284,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         worker_result(rss_worker(args.rss_worker, max(args.lengths), args.hf_dir))
         return 0
     names = list(args.caches) + ([f"sdpa-{c}" for c in CODECS] if args.decoded else [])
+    if "quanto-int4" in names and not installed("optimum.quanto"):
+        ap.error('quanto-int4 needs optimum-quanto: .venv/bin/pip install -e ".[peers]"')
     hf_checkpoint(args.hf_dir)
     model = load_model(args.hf_dir)
     rows: list[dict[str, Any]] = []
