@@ -15,8 +15,11 @@
 
 namespace kvk {
 
+// A worker thread's buffers, kept between calls (no allocation in a decode step); rows of a
+// work item are (h * ne + e) * G + g: head h, entry e, query head g of the group.
 struct Scratch {
-  std::vector<float> q, m, l, acc, accr, sc, ktile, vtile;
+  std::vector<float> q, m, l, acc, accr, ktile, vtile;
+  std::vector<float> sc;  // [H * R, BLK]: each row's scores, then its softmax weights
   std::vector<const float*> krows, vrows;
   std::vector<const int8_t*> kcodes, vcodes;  // int8 tiles read from the codes
   std::vector<const uint8_t*> knib, vnib;     // 4-bit rows read from the codes
@@ -52,7 +55,7 @@ struct TileCtx {
 
 // A key path: fits(reader, the tile's cells, their count); scores(tile): for every head, its
 // rows loaded, each entry's scores sc[g * BLK + j] of its cells, and the softmax update of its
-// rows (key_tile below: one call a tile, the path's loads and scores inlined into it).
+// rows (key_tile below: one call a tile through the table, not one per head and entry).
 struct KeyPath {
   const char* name;
   bool (*fits)(const Reader& kr, const int32_t* cells, int n);
