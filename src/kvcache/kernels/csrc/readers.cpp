@@ -281,7 +281,8 @@ Reader make_reader(const std::vector<at::Tensor>& t, const std::vector<int64_t>&
   r.rotated = ints[ROTATED] != 0;
   r.H = H;
   r.D = D;
-  TORCH_CHECK(D % 16 == 0 && D <= 256, "kvcache kernel: head_dim must be a multiple of 16, <= 256");
+  TORCH_CHECK(D % kAlign == 0 && D <= kMaxDim, "kvcache kernel: head_dim must be a multiple of ",
+              kAlign, ", at most ", kMaxDim);
   for (const at::Tensor& x : t)
     TORCH_CHECK(!x.numel() || (x.is_contiguous() && x.device().is_cpu()),
                 "kvcache kernel: layout tensors must be contiguous CPU tensors");

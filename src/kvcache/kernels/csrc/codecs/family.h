@@ -58,7 +58,7 @@ inline void record_rows(const Reader& r, int64_t c, int32_t m, int64_t h, const 
 
 struct Record {
   int32_t meta = -1;
-  float a[256], b[256];
+  float a[kMaxDim], b[kMaxDim];
 
   // record of cell c (head h) from tables a (and b): float rows, converted on a change
   void load(const Reader& r, int64_t c, int64_t h, const uint16_t* ta, const uint16_t* tb) {

@@ -170,8 +170,8 @@ void decode_turbo_bits(const Tile& t, int a, int b) {
   const Reader& r = t.r;
   const int64_t D = r.D;
   Record centre;
-  float rotated[256];  // CENTRE_ROPE: the centre rotated to a cell's position
-  float signs[256];  // the head's sign flips times 1/sqrt(P): the inverse rotation's diagonal
+  float rotated[kMaxDim];  // CENTRE_ROPE: the centre rotated to a cell's position
+  float signs[kMaxDim];  // the head's sign flips times 1/sqrt(P): the inverse rotation's diagonal
   const float norm = 1.f / std::sqrt((float)D);
   for (int64_t i = 0; i < D; ++i) signs[i] = r.signs[t.h * D + i] * norm;
   each_row(t, a, b, [&](int j, int64_t c, float* out) {
