@@ -48,21 +48,20 @@ MAX_DIM = 256  # the largest head_dim the kernels take (their stack rows are thi
 ALIGN = 16  # head_dim must be a multiple of it (the vector paths' widest row step)
 
 
-def rope_mode(layout: Layout, pre_rope: bool) -> RopeMode:
-    """How ``layout``'s rows stand to RoPE (``pre_rope``: the cache stores keys before it)."""
-    if layout.centre_rope:
-        return RopeMode.CENTRE_ROPE
-    return RopeMode.BEFORE_ROPE if pre_rope else RopeMode.AFTER_ROPE
-
-
 def layout_args(layout: Layout, pre_rope: bool) -> tuple[list[torch.Tensor], list[int]]:
-    """A Layout as the readers take it: its tensors in SLOTS order, its ints in INT_SLOTS'."""
-    ints = {
-        "kind": int(layout.kind),
-        "bits": layout.bits,
-        "group": layout.group,
-        "log_scale": int(layout.log_scale),
-        "rope_mode": int(rope_mode(layout, pre_rope)),
-        "rotated": int(layout.rotated),
-    }
-    return [getattr(layout, name) for name in SLOTS], [ints[name] for name in INT_SLOTS]
+    """A Layout as the readers take it: its tensors in SLOTS order, its ints in INT_SLOTS'
+    (written out, not looked up by name: this runs twice a layer in every decode step;
+    tests/test_contract.py checks the order). ``pre_rope``: the cache stores keys before RoPE."""
+    if layout.centre_rope:
+        mode = RopeMode.CENTRE_ROPE
+    else:
+        mode = RopeMode.BEFORE_ROPE if pre_rope else RopeMode.AFTER_ROPE
+    tensors = [
+        layout.data, layout.scale, layout.low, layout.meta_of, layout.meta_a, layout.meta_b,
+        layout.window, layout.residual, layout.centroids, layout.signs,
+    ]  # fmt: skip
+    ints = [
+        int(layout.kind), layout.bits, layout.group, int(layout.log_scale), int(mode),
+        int(layout.rotated),
+    ]  # fmt: skip
+    return tensors, ints

@@ -1,8 +1,8 @@
 """Which path serves a layer's attention: the C++ kernels over the stored codes, or the
 plain-torch reference over decoded rows. The one place that decides, with its reasons.
 
-A forward is asked once (``forward_reason``: the environment and the cache's own settings, an
-environment lookup costing a decode step more than the kernel's call), each layer's call then
+A forward is asked once (``forward_reason``: the environment and the cache's own settings,
+kept out of the per-layer call because an environment lookup is slow), each layer's call then
 only for its shapes and layouts (``layer_reason``). Inside the kernels, which tile path reads a
 tile (int8 codes, 4-bit codes, fp16 rows, decoded rows...) is the table in csrc/paths.h.
 """

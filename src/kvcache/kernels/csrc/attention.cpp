@@ -47,11 +47,9 @@ struct Partials {
   float* accr;  // [E, Hq, Dv] rotated-domain sums (nullptr unless V is rotated)
 };
 
-// One segment, every KV head: per tile of cells, each head's keys (by the tile's key path),
-// scores, softmax update, values (by its value path). Heads inside the tile loop read each
-// cell's row [H, D] in one stream. flatten: the calls inside are inlined, but the paths' rows,
-// each flattened itself (paths.h: GCC inlines the tile math into a small function, where it
-// stopped doing so into one that held every path: docs/design/kernels.md)
+// One segment, every KV head: per tile of cells, the tile's key path scores every head and
+// updates its softmax, then its value path sums every head (paths.h). flatten: the calls
+// inside are inlined, but the paths' rows, each flattened itself (docs/design/kernels.md).
 __attribute__((flatten)) void attend_item(const Plan& plan, int64_t s, const float* q,
                                           int64_t Hq, int64_t H, const Reader& kr,
                                           const Reader& vr, const Rope& rope, float scale,

@@ -6,9 +6,9 @@
 
 namespace kvk {
 
-// x = q * scale + low per group of channels (+ the sequence's key centre)
 namespace {
 
+// x = q * scale + low per group of channels (+ the sequence's key centre)
 template <int BITS>
 void decode_affine_rows(const Tile& t, int a, int b) {
   const Reader& r = t.r;
