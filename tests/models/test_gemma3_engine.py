@@ -1,7 +1,8 @@
 """Gemma 3 in the engine: prefix reuse that survives the sliding window (global layers shared,
 local layers restored from a checkpoint), bit-identical to a fresh prefill with the same
 chunks; checkpoints the window has moved past are never used (a miss reason says so); each
-sequence's local cells stay within window + the forward's tokens."""
+sequence's local cells stay within window + the forward's tokens; preempted requests spill
+both parts and resume."""
 
 from __future__ import annotations
 
@@ -107,3 +108,29 @@ def test_a_checkpoint_the_window_moved_past_is_never_used(turns: dict[str, Any])
     forwards = [(t, pos) for t, pos, _ in rec.calls[start:]]
     assert forwards[0][1][0] == 0
     assert torch.equal(rec.calls[-1][2], _replay(rec.model, forwards))
+
+
+@pytest.mark.parametrize("spill", ["memory", "disk"])
+def test_preempted_requests_spill_both_parts_and_resume(gemma3: Gemma3, tmp_path: Any, spill: str):
+    """A pool of one request's cells under three: requests are preempted and spilled (the
+    global part and the local window, to memory or to a file) and resume where they left
+    off; every request's tokens equal those of a pool that never preempts, the local cells
+    stay within window + T, and no spill file is left behind."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(300)] for _ in range(3)]
+    params = RequestParams(max_tokens=80, sampling=GREEDY)
+
+    def run(**kw: Any) -> tuple[Engine, Recorder, list[list[int]]]:
+        rec = Recorder(gemma3)
+        engine = Engine(rec, None, EngineConfig(max_sequences=3, max_batch=CHUNK, **kw))  # type: ignore[arg-type]
+        requests = [engine.submit(p, params) for p in prompts]
+        engine.run()
+        return engine, rec, [r.generated for r in requests]
+
+    _, _, ref = run(capacity=1024)
+    where = "memory" if spill == "memory" else f"disk:{tmp_path}"
+    engine, rec, out = run(capacity=700, pool_sequences=1, preemption="spill", spill=where)
+    assert engine.stats.spills >= 1 and engine.stats.restores == engine.stats.spills
+    assert out == ref
+    assert rec.worst <= 0
+    assert not list(tmp_path.iterdir())

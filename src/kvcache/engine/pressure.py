@@ -89,7 +89,8 @@ class Spill:
         parked = request.parked
         if not isinstance(parked, Parked):
             return 0
-        cache.restore(self.tier.take(parked), request.seq)  # fits: cells_needed said so
+        # fits: cells_needed said so; a HybridCache (typed here as CausalCache) takes its own
+        cache.restore(self.tier.take(parked), request.seq)  # type: ignore[arg-type]
         request.parked = None
         return parked.next_position
 

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Protocol
 
 from kvcache.errors import InvalidConfigError
-from kvcache.snapshot import Snapshot
+from kvcache.snapshot import HybridSnapshot, Snapshot, load_any
+
+Snap = Snapshot | HybridSnapshot  # a hybrid cache's requests spill both parts
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Parked:
     cells: int  # cells the restore needs
     next_position: int  # one past the highest position restored (what the request has fed)
     nbytes: int  # bytes of the stored cells
-    payload: Snapshot | Path
+    payload: Snap | Path
 
 
 class SpillTier(Protocol):
@@ -36,9 +38,9 @@ class SpillTier(Protocol):
 
     name: str
 
-    def put(self, snapshot: Snapshot) -> Parked: ...
+    def put(self, snapshot: Snap) -> Parked: ...
 
-    def take(self, parked: Parked) -> Snapshot:
+    def take(self, parked: Parked) -> Snap:
         """The snapshot back (the tier forgets it)."""
         ...
 
@@ -47,7 +49,7 @@ class SpillTier(Protocol):
         ...
 
 
-def _parked(snapshot: Snapshot, payload: Snapshot | Path) -> Parked:
+def _parked(snapshot: Snap, payload: Snap | Path) -> Parked:
     return Parked(len(snapshot), snapshot.positions[-1] + 1, snapshot.nbytes(), payload)
 
 
@@ -56,11 +58,11 @@ class MemoryTier:
 
     name = "memory"
 
-    def put(self, snapshot: Snapshot) -> Parked:
+    def put(self, snapshot: Snap) -> Parked:
         return _parked(snapshot, snapshot)
 
-    def take(self, parked: Parked) -> Snapshot:
-        assert isinstance(parked.payload, Snapshot), f"not a memory snapshot: {parked}"
+    def take(self, parked: Parked) -> Snap:
+        assert not isinstance(parked.payload, Path), f"not a memory snapshot: {parked}"
         return parked.payload
 
     def drop(self, parked: Parked) -> None:
@@ -76,16 +78,16 @@ class DiskTier:
         self.folder = folder
         self._names = itertools.count()
 
-    def put(self, snapshot: Snapshot) -> Parked:
+    def put(self, snapshot: Snap) -> Parked:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"spill-{os.getpid()}-{next(self._names)}.safetensors"
         snapshot.save(path)
         return _parked(snapshot, path)
 
-    def take(self, parked: Parked) -> Snapshot:
+    def take(self, parked: Parked) -> Snap:
         assert isinstance(parked.payload, Path), f"not a spill file: {parked}"
         try:
-            return Snapshot.load(parked.payload)
+            return load_any(parked.payload)
         finally:
             parked.payload.unlink(missing_ok=True)
 
