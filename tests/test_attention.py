@@ -246,6 +246,26 @@ def test_kernel_for_every_query_group_and_thread_count(
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("codec", ["turbo4", "turbo3", "turbo4:recent=0"])
+def test_turbo_values_of_head_dim_256_are_read_by_the_kernels(codec: str):
+    """Gemma 3's head_dim: the value sums' rotation back (a Hadamard of 256, past the one-GEMM
+    size) is a dense matrix the kernels take; before, the route sent every such layer to the
+    reference, which decodes every cell. Equal to the float64 reference, one KV head, 4
+    query heads, history of codes and window rows."""
+    dim = 256
+    cache = CausalCache(2048, shift=Rope(dim, 10000.0), codec=codec)
+    g = torch.Generator().manual_seed(3)
+    cache.start_forward(Batch.single(0, 0, 900))
+    cache.put(0, torch.randn(900, 1, dim, generator=g), torch.randn(900, 1, dim, generator=g))
+    cache.start_forward(Batch.single(0, 900, 3))
+    q = torch.randn(3, 4, dim, generator=g)
+    k, v = torch.randn(2, 3, 1, dim, generator=g)
+    out = cache.attention(0, q, k, v)
+    assert route.layer_reason(q, v, *cache.storage.layouts(0)) is None
+    keys, values, mask = cache.get(0)
+    assert kernel_error(cache, q, out, keys, values, mask, dim**-0.5) < REL
+
+
 # (codec, key_rope): the paths of a tile of encoded rows and of a tile of window rows
 TILE_PATHS = [
     ("fp32", "post", ("decoded", "decoded"), ("decoded", "decoded")),

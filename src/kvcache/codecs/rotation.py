@@ -156,6 +156,15 @@ class RotationStack:
         self.signs = torch.stack([r.signs for r in rotations])  # [H, P]
         mats = [r.matrix for r in rotations if r.matrix is not None]
         self.matrices = torch.stack(mats) if len(mats) == self.heads else None  # [H, D, P]
+        self._dense: torch.Tensor | None = self.matrices
+
+    def dense(self) -> torch.Tensor:
+        """[H, D, P] matrices of the rotations, built once also where P > RADIX: the attention
+        kernels rotate one value sum a query row back by them, not every cell."""
+        if self._dense is None:
+            h = hadamard(self.padded, self.signs.device) * (1.0 / math.sqrt(self.padded))
+            self._dense = (self.signs[:, :, None] * h)[:, : self.dim].contiguous()
+        return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [H, N, D] -> [H, N, P]: zero-padded, per-head sign flips, the butterflies, then

@@ -41,6 +41,7 @@ from kvcache.codecs.encoded import SCALE_DTYPE, Encoded
 from kvcache.codecs.pack import packed_width
 from kvcache.codecs.quantizer import HeadStack, TurboQuantizer
 from kvcache.codecs.window import CentredBuffer
+from kvcache.kernels.contract import MAX_DIM
 from kvcache.recent import SEAL_BATCH, Windows, WindowSpec
 
 
@@ -110,12 +111,20 @@ class TurboBuffer(CentredBuffer):
             scale=self.scale,
             centroids=levels,
             signs=self.stack.rotations.signs,
-            rotation=_or_empty(self.stack.rotations.matrices),
+            rotation=self._value_rotation(),
             bits=self.bits,
             log_scale=self.log_scale,
             rotated=not self.keys,
         )
         return self.centred_layout(layout)
+
+    def _value_rotation(self) -> torch.Tensor:
+        """What the kernels rotate value sums back by: dense matrices for values up to
+        MAX_DIM wide (keys keep the GEMM matrices or none: their queries turn by the signs)."""
+        r = self.stack.rotations
+        if self.keys or r.padded > MAX_DIM:
+            return _or_empty(r.matrices)
+        return r.dense()
 
     def _code_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.scale, *self.centre_tensors())

@@ -47,5 +47,5 @@ def layer_reason(q: torch.Tensor, v: torch.Tensor, keys: Layout, values: Layout)
     if (keys.kind == Kind.TURBO or values.kind == Kind.TURBO) and d & (d - 1):
         return f"turbo codes of head_dim {d}: the kernels' transform takes powers of two"
     if values.rotated and values.rotation.numel() == 0:
-        return "rotated values without a rotation matrix (turbo above head_dim 128)"
+        return "rotated values without their rotation matrix"
     return None
