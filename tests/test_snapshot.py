@@ -405,3 +405,28 @@ def test_head_is_restore_then_remove(model: Llama, codec: str):
         assert torch.equal(decode(model, cut, 0, after, k), decode(model, whole, 0, after, k))
     with pytest.raises(InvalidArgumentError, match="count"):
         snap.head(0)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "kivi4", "turbo4", "int8/int4"])
+def test_window_before_keeps_only_the_window_a_resume_needs(model: Llama, codec: str):
+    """A window cache's snapshot taken right after a 190-token forward (a checkpoint: more
+    cells than the window) cut to the window before p: at most ``window`` cells, the ones at
+    positions p - window .. p - 1, and decoding from p on it gives the logits of a restore
+    of every cell before p, bit for bit (cuts through kivi groups, seals and fp16 rows)."""
+    window = 64
+    source = model.new_cache(512, max_sequences=2, max_batch=PROMPT, window=window, codec=codec)
+    toks = tokens(PROMPT)
+    prefill(model, source, 0, toks)
+    snap = source.snapshot(0, model_id="m", tokens=toks)
+    assert len(snap) == PROMPT  # the forward's tokens are all still there
+    for p in (window + 1, 100, 150, PROMPT):
+        cut = snap.window_before(p)
+        assert cut.positions == list(range(p - window, p)), p
+        assert cut.tokens == toks[p - window : p]
+        a = model.new_cache(512, max_sequences=2, window=window, codec=codec)
+        a.restore(cut, 0, model_id="m")
+        b = model.new_cache(512, max_sequences=2, window=window, codec=codec)
+        b.restore(snap.head_before(p), 0, model_id="m")
+        after = tokens(3, seed=12)
+        assert torch.equal(decode(model, a, 0, after, p), decode(model, b, 0, after, p)), p
+    assert snap.window_before(PROMPT + 5).positions == list(range(PROMPT + 5 - window, PROMPT))

@@ -112,14 +112,22 @@ class Snapshot:
         n = len(self)
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= n:
             raise InvalidArgumentError("count", count, f"an int in [1, {n}]")
+        return self._cells(0, count)
+
+    def _cells(self, lo: int, hi: int) -> Snapshot:
+        """Cells ``lo..hi-1`` by position (1 <= hi - lo): encoded rows, fp16 window rows and
+        the records the kept cells (and the sequence) use, sliced without re-encoding."""
+        if lo == 0 and hi == len(self):
+            return self
         out: dict[str, torch.Tensor] = {
-            k: self.tensors[k][:count].clone() for k in ("positions", "tokens") if k in self.tensors
+            k: self.tensors[k][lo:hi].clone() for k in ("positions", "tokens") if k in self.tensors
         }
-        opened: dict[str, int] = {}
+        opened: dict[str, tuple[int, int]] = {}  # a window's open rows before lo and before hi
         kept_records: dict[str, torch.Tensor] = {}
         for w in [k.split(".")[1] for k in self.tensors if k.endswith(".open")]:
-            open_ = self.tensors[f"window.{w}.open"][:count]
-            record = self.tensors[f"window.{w}.record"][:count]
+            every_open = self.tensors[f"window.{w}.open"]
+            open_ = every_open[lo:hi]
+            record = self.tensors[f"window.{w}.record"][lo:hi]
             sequence = int(self.tensors[f"window.{w}.sequence"][0])
             used = torch.unique(torch.cat([record[record >= 0], torch.tensor([sequence])]))
             used = used[used >= 0]  # old local ids kept, ascending
@@ -132,7 +140,7 @@ class Snapshot:
             out[f"window.{w}.sequence"] = torch.tensor(
                 [int(remap[sequence]) if sequence >= 0 else -1], dtype=torch.int32
             )
-            opened[w] = int(open_.sum())
+            opened[w] = (int(every_open[:lo].sum()), int(every_open[:hi].sum()))
             kept_records[w] = used
         for name, t in self.tensors.items():
             if not name.startswith("layer."):
@@ -140,14 +148,16 @@ class Snapshot:
             _, layer, role, field = name.split(".", 3)
             owner = _owner(self.tensors, layer, role)
             if owner is None:
-                out[name] = t[:count].clone()  # a float buffer: one row a cell
-            elif field == "residual":
-                out[name] = t[: opened[owner]].clone()
+                out[name] = t[lo:hi].clone()  # a float buffer: one row a cell
+                continue
+            open_lo, open_hi = opened[owner]
+            if field == "residual":  # the open cells' rows, in position order
+                out[name] = t[open_lo:open_hi].clone()
             elif field.startswith("record."):
                 out[name] = t.index_select(0, kept_records[owner])
-            else:
-                out[name] = t[: count - opened[owner]].clone()
-        return Snapshot({**self.header, "cells": count}, out)
+            else:  # the encoded cells' rows, in position order
+                out[name] = t[lo - open_lo : hi - open_hi].clone()
+        return Snapshot({**self.header, "cells": hi - lo}, out)
 
     def resumes(self, pos: int) -> bool:
         """Whether a token at ``pos`` can be processed from these cells once restored (the
@@ -161,6 +171,16 @@ class Snapshot:
         """The cells at positions < ``pos`` (at least one), as :meth:`head` cuts them."""
         count = sum(1 for p in self.positions if p < pos)
         return self if count == len(self) else self.head(count)
+
+    def window_before(self, pos: int) -> Snapshot:
+        """What resuming at ``pos`` needs (:meth:`resumes`): the cells at positions < ``pos``,
+        of a window cache only those the window before ``pos`` holds, so a restore takes no
+        more cells than the sequence keeps between forwards."""
+        positions = self.positions
+        hi = sum(1 for p in positions if p < pos)
+        window = self.header["window"]
+        lo = 0 if window is None else sum(1 for p in positions[:hi] if p < pos - window)
+        return self._cells(lo, max(hi, lo + 1))
 
     def nbytes(self) -> int:
         """Bytes of the stored cells: every layer's tensors (the bookkeeping not counted)."""

@@ -199,14 +199,17 @@ class HybridCache(WrapperCache):
     def restore(
         self, snapshot: HybridSnapshot, seq: int, *, model_id: ModelId | None = None
     ) -> None:
-        """Both parts of ``snapshot`` as ``seq``; a failure of the local part undoes the full."""
+        """Both parts of ``snapshot`` as ``seq``, of the local part the window before the
+        next position only (what the part keeps between forwards, which its cells are sized
+        for); a failure of the local part undoes the full."""
         if not isinstance(snapshot, HybridSnapshot):
             raise InvalidArgumentError(
                 "snapshot", type(snapshot).__name__, "a HybridSnapshot (of a HybridCache)"
             )
+        local = snapshot.local.window_before(snapshot.positions[-1] + 1)
         self.full.restore(snapshot.full, seq, model_id=model_id)
         try:
-            self.local.restore(snapshot.local, seq, model_id=model_id)
+            self.local.restore(local, seq, model_id=model_id)
         except KVCacheError:
             self.full.remove(seq, 0)
             raise

@@ -134,3 +134,38 @@ def test_preempted_requests_spill_both_parts_and_resume(gemma3: Gemma3, tmp_path
     assert out == ref
     assert rec.worst <= 0
     assert not list(tmp_path.iterdir())
+
+
+def test_many_sequences_resume_from_checkpoints_at_once(gemma3: Gemma3):
+    """Four second turns resume together, each from its own checkpoint (taken after a
+    128-token chunk: window + chunk cells, more than the local part keeps a sequence): the
+    restores take only the window before each resume point, so they fit the local part's
+    cells (sized for window + 1 a sequence plus one forward; the full checkpoints did not
+    and the engine raised CacheFullError), and each turn's tokens equal those of an engine
+    without prefix reuse."""
+    rng = random.Random(2)
+    firsts = [[rng.randrange(1000, 20000) for _ in range(700)] for _ in range(4)]
+    params = RequestParams(max_tokens=4, sampling=GREEDY)
+
+    def engine(prefix_cache: bool) -> Engine:
+        config = EngineConfig(
+            capacity=1024, max_sequences=4, max_batch=CHUNK, prefix_cache=prefix_cache
+        )
+        return Engine(gemma3, None, config)  # type: ignore[arg-type]
+
+    def turns(e: Engine) -> list[Any]:
+        ones = [e.submit(p, params) for p in firsts]
+        e.run()
+        seconds = [
+            e.submit(p + r.generated[:-1] + [rng.randrange(1000, 20000) for _ in range(20)], params)
+            for p, r in zip(firsts, ones, strict=True)
+        ]
+        e.run()
+        return seconds
+
+    rng_state = rng.getstate()
+    reused = turns(engine(True))
+    rng.setstate(rng_state)
+    fresh = turns(engine(False))
+    assert all(r.cached_tokens >= 640 for r in reused), [r.cached_tokens for r in reused]
+    assert [r.generated for r in reused] == [r.generated for r in fresh]

@@ -112,7 +112,7 @@ class LocalCheckpoints:
             return 0, "no_checkpoint"
         self.cache.full.copy_prefix(holder, seq, p)
         self.cache.local.remove(seq, 0)
-        self.cache.local.restore(ck.head_before(p), seq)
+        self.cache.local.restore(ck.window_before(p), seq)  # what the local part keeps
         self.restores += 1
         return p, None if p == tokens else "checkpoint_behind"
 
