@@ -1,5 +1,6 @@
-"""KV codec quality on real SmolLM2-135M: perplexity, KL and top-1 vs the fp32 cache, bytes
-per token, decode speed at 2k, and attention-output cosine per layer on real K/V.
+"""KV codec quality on real SmolLM2-135M (or Gemma 3 270M): perplexity, KL and top-1 vs the
+fp32 cache, bytes per token, decode speed at 2k, and attention-output cosine per layer on real
+K/V.
 
 Protocol: the Debian license texts (/usr/share/common-licenses, regular files
 concatenated in sorted name order), first 8192 tokens, no BOS, in 4 fresh windows of 2048.
@@ -17,6 +18,14 @@ with ``--press-decode`` the pressed rows' ΔPPL and total compression go to OUT_
         --cap 0.25 --out kv_quality_press
     python benchmarks/kv_quality.py --codecs fp32 --windows 2 --window 8192 \
         --press-decode snapout:0.5 --cap 0.25 --out kv_quality_press_8k   # SmolLM2's context
+    python benchmarks/kv_quality.py --model gemma3 --out kv_quality_gemma3
+
+``--model gemma3``: the bundled Gemma 3 270M on its wrapper cache (15 sliding layers of 512,
+3 global; each window starts with BOS, which Gemma needs), every scored token past the
+sliding window; 2 windows by default (its 262k-token vocabulary makes the rows 5x larger).
+Codecs are single names there (one codec for K and V in both parts), bytes per token are the
+codec's nominal bytes per stored position in every layer (the wrapper keeps fewer:
+benchmarks/gemma_long.py), and the attention cosines and press rows are SmolLM2's alone.
 
 Decode-time pressing (``--press-decode SPEC [SPEC ...]``, needs ``kvcache.press``): each
 window's prefill and its scored tokens run under the press, the scored tokens one per
@@ -61,8 +70,11 @@ from tqdm import tqdm
 from common import license_tokens
 from harness import plot, table, write_json
 from kvcache import Batch, CausalCache
+from kvcache.codecs import make_codec
+from kvcache.models.gemma3 import Gemma3
 from kvcache.models.llama import Llama
 from kvcache.text.tokenizer import Tokenizer
+from kvcache.weights.bundled import gemma3_path
 
 if TYPE_CHECKING:  # kvcache.press is optional here (see --press-decode)
     from kvcache.press.base import Press
@@ -84,6 +96,8 @@ CODECS = [
     "turbo3",
     "turbo3:key_bits=3,value_bits=3",
 ]
+GEMMA_CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "kivi4", "turbo4", "kivi2", "turbo3"]
+KV = ("key", "value")
 WINDOW, PREFILL, CHUNK = 2048, 1024, 64
 SCORED = WINDOW - PREFILL  # the scored tokens at the end of each window, whatever --window
 QUALITY_COLS = ["ppl", "dppl_pct", "kl", "top1"]
@@ -98,8 +112,17 @@ def parse(spec: str) -> dict[str, str | None]:
     return {"key_codec": key, "value_codec": value or key, "key_rope": rope or None}
 
 
-def make_cache(model: Llama, spec: str, capacity: int, max_batch: int = PREFILL) -> CausalCache:
+def make_cache(model: Any, spec: str, capacity: int, max_batch: int = PREFILL) -> Any:
+    """SmolLM2's CausalCache of ``spec``, or Gemma 3's wrapper cache of its single codec."""
+    if isinstance(model, Gemma3):
+        return model.new_cache(capacity, max_batch=max_batch, codec=spec)
     return CausalCache(capacity, max_batch=max_batch, shift=model.rope, **parse(spec))
+
+
+def fp16_bytes_per_token(model: Any) -> int:
+    """K and V of one position in every layer at 2 bytes a value."""
+    c = model.config
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
 
 
 def nudge_keys(cache: CausalCache, direction: str) -> None:
@@ -119,7 +142,7 @@ def nudge_keys(cache: CausalCache, direction: str) -> None:
 
 
 def window_logprobs(
-    model: Llama, codec: str, tokens: list[int], nudge: str | None = None
+    model: Any, codec: str, tokens: list[int], nudge: str | None = None
 ) -> torch.Tensor:
     """Log-probabilities [SCORED, V] predicting the last SCORED tokens of one window (1024..2047
     of a 2048-token window) after a prefill of the others (with ``nudge``, the keys moved by one
@@ -220,7 +243,7 @@ def decode_pressing(
     return rows
 
 
-def decode_speed(model: Llama, codec: str, tokens: list[int], steps: int = 24) -> float:
+def decode_speed(model: Any, codec: str, tokens: list[int], steps: int = 24) -> float:
     """Decode tokens/s after a 2048-token prefill: the median step of ``steps`` (after 3
     warm-up steps), so one slow step on a shared machine does not decide it."""
     cache = make_cache(model, codec, WINDOW + steps + 3)
@@ -255,10 +278,14 @@ def held_bytes(model: Llama, spec: str, n: int) -> int:
     return held
 
 
-def bytes_per_token(model: Llama, spec: str) -> tuple[float, float]:
+def bytes_per_token(model: Any, spec: str) -> tuple[float, float | None]:
     """Bytes per token, all layers, K+V: (each further token's, i.e. codes and per-row
     metadata; everything held at a 2k context divided by 2048, fixed parts included: the
-    fp16 window of the newest rows, key centres)."""
+    fp16 window of the newest rows, key centres). Gemma 3: the codec's row bytes, None."""
+    if isinstance(model, Gemma3):
+        c = model.config
+        row = sum(make_codec(spec, r).bytes_per_row(c.num_kv_heads, c.head_dim) for r in KV)
+        return row * c.num_layers, None
     step = held_bytes(model, spec, 8192) - held_bytes(model, spec, 4096)  # fixed parts cancel
     return step / 4096, held_bytes(model, spec, WINDOW) / WINDOW
 
@@ -322,8 +349,11 @@ def _attend(q, k, v, mask, kv_heads):  # type: ignore[no-untyped-def]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 window; fp32, int8, int4, turbo4")
+    parser.add_argument(
+        "--model", choices=("smollm2", "gemma3"), default="smollm2", help="bundled model"
+    )
     parser.add_argument("--codecs", nargs="*", default=None, help=f"subset of {CODECS}")
-    parser.add_argument("--windows", type=int, default=None, help="windows (default 4)")
+    parser.add_argument("--windows", type=int, default=None, help="windows (default 4; gemma3 2)")
     parser.add_argument(
         "--window",
         type=int,
@@ -368,22 +398,40 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cap {args.cap}: expected a fraction in (0, 1)")
     if args.press_decode and importlib.util.find_spec("kvcache.press") is None:
         parser.error("--press-decode needs kvcache.press, not in this checkout")
-    model = Llama.from_gguf(weights="fp32")
+    gemma = args.model == "gemma3"
+    if gemma and args.press_decode:
+        parser.error("--press-decode: SmolLM2's (the presses run on its CausalCache)")
+    model: Any = (
+        Gemma3.from_gguf(gemma3_path(), weights="fp32")
+        if gemma
+        else Llama.from_gguf(weights="fp32")
+    )
     if not WINDOW <= args.window <= model.config.context_length:
         parser.error(f"--window {args.window}: expected {WINDOW}..{model.config.context_length}")
     torch.set_num_threads(args.threads)
-    codecs = args.codecs or (["fp32", "int8", "int4", "turbo4"] if args.quick else CODECS)
+    codecs = args.codecs or (
+        ["fp32", "int8", "int4", "turbo4"] if args.quick else GEMMA_CODECS if gemma else CODECS
+    )
+    if gemma and any(c != c.partition("@")[0].partition("/")[0] for c in codecs):
+        parser.error("--codecs: single codec names on gemma3 (no KEY/VALUE, no @pre/@post)")
     if codecs[0] != "fp32":
         codecs = ["fp32", *[c for c in codecs if c != "fp32"]]
-    windows, window = args.windows or (1 if args.quick else 4), args.window
-    tokenizer = Tokenizer.from_gguf()
-    tokens = license_tokens(tokenizer, windows * window)
-    wins = [tokens[w * window : (w + 1) * window] for w in range(windows)]
+    windows, window = args.windows or (1 if args.quick else 2 if gemma else 4), args.window
+    tokenizer = Tokenizer.from_gguf(gemma3_path() if gemma else None)
+    if gemma:  # each window opens with BOS, as Gemma's prompts do
+        body = window - 1
+        tokens = license_tokens(tokenizer, windows * window)  # decode_speed reads 2048+
+        wins = [[tokenizer.bos_id, *tokens[w * body : (w + 1) * body]] for w in range(windows)]
+    else:
+        tokens = license_tokens(tokenizer, windows * window)
+        wins = [tokens[w * window : (w + 1) * window] for w in range(windows)]
     base: list[torch.Tensor] = []
     rows = []
     with torch.inference_mode():
         for codec in tqdm(codecs, desc="kv_quality", unit="codec"):
             lps = [window_logprobs(model, codec, win) for win in wins]
+            if gemma:  # 262k-token vocabulary: float32 keeps two codecs' rows in memory
+                lps = [lp.float() for lp in lps]
             base = base or lps  # fp32 comes first
             asym, at2k = bytes_per_token(model, codec)
             nudged: list[float] = []  # perplexities with the keys one ulp up and down
@@ -403,17 +451,19 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         pressed = decode_pressing(args, model, codecs, wins, base) if args.press_decode else []
-        cosines = attention_cosines(model, tokens, codecs)
-    fp32, fp16_bytes = rows[0], 30 * 2 * 3 * 64 * 2
+        cosines = {} if gemma else attention_cosines(model, tokens, codecs)
+    fp32, fp16_bytes = rows[0], fp16_bytes_per_token(model)
     for r in rows:
         r["dppl_pct"] = 100 * (r["ppl"] / fp32["ppl"] - 1)
         spread = [100 * (p / fp32["ppl"] - 1) for p in r["ppl_nudged"]] + [r["dppl_pct"]]
         r["dppl_lo"], r["dppl_hi"] = min(spread), max(spread)
         r["vs_fp16_bytes"] = fp16_bytes / r["bytes_per_token"]
-        r["vs_fp16_bytes_2k"] = fp16_bytes / r["bytes_per_token_2k"]
+        at2k = r["bytes_per_token_2k"]
+        r["vs_fp16_bytes_2k"] = None if at2k is None else fp16_bytes / at2k
         r["decode_vs_fp32"] = r["decode_tok_s_2k"] / fp32["decode_tok_s_2k"]
-        r["attn_cos_min"] = min(cosines[r["codec"]])
-        r["attn_cos_mean"] = sum(cosines[r["codec"]]) / len(cosines[r["codec"]])
+        layers = cosines.get(r["codec"])
+        r["attn_cos_min"] = min(layers) if layers else None
+        r["attn_cos_mean"] = sum(layers) / len(layers) if layers else None
     cols = [
         "codec",
         *QUALITY_COLS[:2],
@@ -447,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         {
             "windows": windows,
+            "model": args.model,
             "window": window,
             "scored_tokens": windows * SCORED,
             "rows": rows,
@@ -455,7 +506,13 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     if len(rows) > 1 or not pressed:
-        plot(args.out, lambda fig, ax: _draw(ax, rows, windows), figsize=(8, 5), dpi=120)
+        title = "Gemma 3 270M" if gemma else "SmolLM2-135M"
+        plot(
+            args.out,
+            lambda fig, ax: _draw(ax, rows, windows, title, fp16_bytes),
+            figsize=(8, 5),
+            dpi=120,
+        )
     if pressed:  # beside the codecs' plot, or instead of it (the fp32 row alone shows nothing)
         name = f"{args.out}_press" if len(rows) > 1 else args.out
         ppl = float(fp32["ppl"])
@@ -490,11 +547,11 @@ def _label(codec: str) -> str:
     )
 
 
-def _draw(ax: Any, rows: list[dict[str, Any]], windows: int) -> None:
+def _draw(ax: Any, rows: list[dict[str, Any]], windows: int, title: str, fp16: int) -> None:
     """KL vs fp32 (log) against stored bits per value; labels give ΔPPL and decode speed."""
     points = [r for r in rows if r["codec"] != "fp32"]
     for i, r in enumerate(sorted(points, key=lambda r: float(r["kl"]))):
-        x, y = float(r["bytes_per_token"]) * 8 / (30 * 2 * 3 * 64), float(r["kl"])
+        x, y = float(r["bytes_per_token"]) * 16 / fp16, float(r["kl"])
         ax.scatter(x, y, s=18)
         text = f"{_label(str(r['codec']))}: {float(r['dppl_pct']):+.2f}%, "
         text += f"{float(r['decode_tok_s_2k']):.1f} tok/s"
@@ -506,7 +563,7 @@ def _draw(ax: Any, rows: list[dict[str, Any]], windows: int) -> None:
         ylabel=f"KL(fp32 || codec), next-token, mean over {windows * 1024} tokens",
         yscale="log",
         xlim=(1.5, 20),
-        title="SmolLM2-135M K/V codecs (labels: ΔPPL vs fp32 cache, decode tok/s at 2k)",
+        title=f"{title} K/V codecs (labels: ΔPPL vs fp32 cache, decode tok/s at 2k)",
     )
     ax.grid(alpha=0.3)
 
