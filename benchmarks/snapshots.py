@@ -1,7 +1,8 @@
 """Sequence snapshots on SmolLM2-135M: restoring a prompt's K/V from a file vs computing it.
 
-One run measures side by side, per prompt length and codec (bundled SmolLM2-135M, fp32
-weights, ``--threads`` torch threads; prompt = the first N tokens of the Debian license texts):
+One run measures side by side, per prompt length and codec (bundled SmolLM2-135M, weights as
+stored as ``kvcache generate`` loads them, ``--threads`` torch threads; prompt = the first N
+tokens of the Debian license texts):
 
 1. recompute: the prompt's prefill into an empty cache, in chunks of ``--chunk`` tokens
    (what ``kvcache generate`` and the engine do), median of ``--repeats``.
