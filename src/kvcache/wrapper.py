@@ -163,8 +163,10 @@ class HybridCache(WrapperCache):
         return self.full.model_id
 
     def free_cells(self) -> int:
-        """Free cells of the part with fewer (the local part has room for a window a sequence)."""
-        return min(self.local.free_cells(), self.full.free_cells())
+        """Free cells of the full part, which holds every position: the local part is sized for
+        each live sequence's window and one forward (``Gemma3.new_cache``), and raises its own
+        CacheFullError past that."""
+        return self.full.free_cells()
 
     def used_cells(self) -> int:
         return self.full.used_cells()

@@ -30,15 +30,20 @@ def test_bundled_name_streams_greedy_text_and_stats(
     )
     out = capsys.readouterr().out.rstrip("\n").split("\n")
     assert code == 0
-    ids = gemma3_tokenizer.encode(PROMPT)
-    cache = gemma3.new_cache(len(ids) + 12)
-    config = GenerationConfig(max_new_tokens=12)
-    tokens = list(stream_tokens(gemma3, cache, ids, config, stop_ids=gemma3_tokenizer.stop_ids))
-    cache.close()
-    assert "\n".join(out[:-1]) == gemma3_tokenizer.decode(tokens)
+    assert "\n".join(out[:-1]) == _library_text(gemma3, gemma3_tokenizer)
     stats = STATS.match(out[-1])
     assert stats is not None, out[-1]
-    assert int(stats.group(1)) == len(ids)
+    assert int(stats.group(1)) == len(gemma3_tokenizer.encode(PROMPT))
+
+
+def _library_text(model: Gemma3, tokenizer: Tokenizer) -> str:
+    """PROMPT's 12 greedy tokens from the library on a cache of its own, as text."""
+    ids = tokenizer.encode(PROMPT)
+    cache = model.new_cache(len(ids) + 12)
+    config = GenerationConfig(max_new_tokens=12)
+    tokens = list(stream_tokens(model, cache, ids, config, stop_ids=tokenizer.stop_ids))
+    cache.close()
+    return tokenizer.decode(tokens)
 
 
 def test_parallel_sequences_each_give_the_greedy_text(
@@ -53,17 +58,12 @@ def test_parallel_sequences_each_give_the_greedy_text(
     )
     out = capsys.readouterr().out.rstrip("\n").split("\n")
     assert code == 0
-    ids = gemma3_tokenizer.encode(PROMPT)
-    cache = gemma3.new_cache(len(ids) + 12)
-    config = GenerationConfig(max_new_tokens=12)
-    tokens = list(stream_tokens(gemma3, cache, ids, config, stop_ids=gemma3_tokenizer.stop_ids))
-    cache.close()
     heads = [i for i, line in enumerate(out) if line.startswith("--- sequence ")]
     assert len(heads) == 3, out
     texts = [
         "\n".join(out[a + 1 : b]) for a, b in zip(heads, [*heads[1:], len(out) - 1], strict=True)
     ]
-    assert texts == [gemma3_tokenizer.decode(tokens).strip("\n")] * 3
+    assert texts == [_library_text(gemma3, gemma3_tokenizer).strip("\n")] * 3
     assert out[-1].startswith("[stats] prompt tokens: ")
 
 

@@ -136,6 +136,45 @@ def test_preempted_requests_spill_both_parts_and_resume(gemma3: Gemma3, tmp_path
     assert not list(tmp_path.iterdir())
 
 
+def _two_turns(
+    gemma3: Gemma3, sessions: int, new: int, prefix_cache: bool, **config: Any
+) -> list[Any]:
+    """``sessions`` 700-token first turns together, then their second turns together (what
+    each fed + ``new`` tokens); the second turns' requests."""
+    rng = random.Random(2)
+    firsts = [[rng.randrange(1000, 20000) for _ in range(700)] for _ in range(sessions)]
+    params = RequestParams(max_tokens=4, sampling=GREEDY)
+    c = EngineConfig(max_sequences=sessions, max_batch=CHUNK, prefix_cache=prefix_cache, **config)
+    e = Engine(gemma3, None, c)  # type: ignore[arg-type]
+    ones = [e.submit(p, params) for p in firsts]
+    e.run()
+    seconds = [
+        e.submit(p + r.generated[:-1] + [rng.randrange(1000, 20000) for _ in range(new)], params)
+        for p, r in zip(firsts, ones, strict=True)
+    ]
+    e.run()
+    return seconds
+
+
+def test_admission_reads_the_global_part_and_keeps_the_holders(gemma3: Gemma3):
+    """Two second turns of 400 new tokens each: admitting the second beside the first takes
+    more cells than the sliding part has free, but that part is sized for every running
+    request's window; the engine admits by the global part, so no idle holder is evicted for
+    room and both turns reuse their first turn (with the free cells of the fuller part, the
+    second turn's own holder went and it computed everything). The pool's sliding part holds
+    max_sequences requests however few sequences' global cells the pool has."""
+    reused = _two_turns(gemma3, 2, 400, True, capacity=2048)
+    fresh = _two_turns(gemma3, 2, 400, False, capacity=2048)
+    assert all(r.cached_tokens >= 640 for r in reused), [r.cached_tokens for r in reused]
+    assert [r.generated for r in reused] == [r.generated for r in fresh]
+    config = EngineConfig(capacity=1024, max_sequences=3, pool_sequences=1, max_batch=CHUNK)
+    cache = Engine(gemma3, None, config).cache  # type: ignore[arg-type]
+    window = gemma3.config.window
+    assert cache.local.num_cells >= 3 * (window + 1) + CHUNK
+    assert cache.full.num_cells == 1024
+    assert cache.free_cells() == cache.full.free_cells()
+
+
 def test_many_sequences_resume_from_checkpoints_at_once(gemma3: Gemma3):
     """Four second turns resume together, each from its own checkpoint (taken after a
     128-token chunk: window + chunk cells, more than the local part keeps a sequence): the
@@ -143,29 +182,7 @@ def test_many_sequences_resume_from_checkpoints_at_once(gemma3: Gemma3):
     cells (sized for window + 1 a sequence plus one forward; the full checkpoints did not
     and the engine raised CacheFullError), and each turn's tokens equal those of an engine
     without prefix reuse."""
-    rng = random.Random(2)
-    firsts = [[rng.randrange(1000, 20000) for _ in range(700)] for _ in range(4)]
-    params = RequestParams(max_tokens=4, sampling=GREEDY)
-
-    def engine(prefix_cache: bool) -> Engine:
-        config = EngineConfig(
-            capacity=1024, max_sequences=4, max_batch=CHUNK, prefix_cache=prefix_cache
-        )
-        return Engine(gemma3, None, config)  # type: ignore[arg-type]
-
-    def turns(e: Engine) -> list[Any]:
-        ones = [e.submit(p, params) for p in firsts]
-        e.run()
-        seconds = [
-            e.submit(p + r.generated[:-1] + [rng.randrange(1000, 20000) for _ in range(20)], params)
-            for p, r in zip(firsts, ones, strict=True)
-        ]
-        e.run()
-        return seconds
-
-    rng_state = rng.getstate()
-    reused = turns(engine(True))
-    rng.setstate(rng_state)
-    fresh = turns(engine(False))
+    reused = _two_turns(gemma3, 4, 20, True, capacity=1024)
+    fresh = _two_turns(gemma3, 4, 20, False, capacity=1024)
     assert all(r.cached_tokens >= 640 for r in reused), [r.cached_tokens for r in reused]
     assert [r.generated for r in reused] == [r.generated for r in fresh]

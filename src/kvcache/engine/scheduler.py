@@ -105,8 +105,15 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = c = config or EngineConfig()
+        # a hybrid model's window layers hold the running requests' cells, its pool the rest
+        live = {"live_sequences": c.max_sequences} if getattr(model, "hybrid", False) else {}
         self.cache = model.new_cache(
-            c.capacity, max_sequences=c.pool, max_batch=c.max_batch, window=c.window, codec=c.codec
+            c.capacity,
+            max_sequences=c.pool,
+            max_batch=c.max_batch,
+            window=c.window,
+            codec=c.codec,
+            **live,
         )
         resumer = self._resumer(c, store)
         self.stats = EngineStats()

@@ -175,6 +175,8 @@ class Gemma3Weights:
 class Gemma3:
     """Gemma 3 decoder over a caller-owned :class:`~kvcache.WrapperCache` (see :meth:`new_cache`)."""
 
+    hybrid = True  # new_cache builds a HybridCache: the engine sizes its parts apart
+
     def __init__(self, config: Gemma3Config, weights: Gemma3Weights) -> None:
         self.config = config
         self.weights = weights
@@ -262,21 +264,25 @@ class Gemma3:
         max_batch: int | None = None,
         window: int | None = None,
         codec: str | None = None,
+        live_sequences: int | None = None,
     ) -> HybridCache:
         """Ollama's Gemma 3 cache: a sliding-window cache for the sliding layers (it holds a
         sequence's last window + a forward's tokens) and a full one for the global layers,
         each with its layers' RoPE as the shift; ``codec`` for both (a ``kvcache.codecs`` spec).
-        ``window``: None (the model's layers say theirs; NotSupportedError otherwise)."""
+        ``window``: None (the model's layers say theirs; NotSupportedError otherwise).
+        ``live_sequences``: sequences whose sliding-layer cells are live at once (default
+        ``max_sequences``; an engine's running requests, where its pool of ``max_sequences``
+        holds more: idle prefixes keep global cells and checkpoints only)."""
         if window is not None:
             raise NotSupportedError(
                 f"window={window} on Gemma 3: its sliding layers' window is the model's "
                 f"({self.config.window}), its global layers attend to everything"
             )
 
-        def part(layer_type: int, window: int | None) -> CausalCache:
+        def part(layer_type: int, window: int | None, sequences: int) -> CausalCache:
             cache = CausalCache(
                 capacity,
-                max_sequences=max_sequences,
+                max_sequences=sequences,
                 max_batch=max_batch,
                 window=window,
                 shift=self.ropes[layer_type],
@@ -286,7 +292,10 @@ class Gemma3:
             cache.model_id = self.model_id
             return cache
 
-        return HybridCache(part(SLIDING, self.config.window), part(GLOBAL, None))
+        live = max_sequences if live_sequences is None else live_sequences
+        return HybridCache(
+            part(SLIDING, self.config.window, live), part(GLOBAL, None, max_sequences)
+        )
 
     # ---- forward ---------------------------------------------------------------------
     def forward(
