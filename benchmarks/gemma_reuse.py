@@ -5,17 +5,20 @@ prefix reuse (global layers shared, local layers restored from checkpoints) and 
 without, side by side on the same trace: ``--sessions`` conversations share a ~1k-token
 system prompt; each turn sends the conversation so far (earlier questions and answers) plus
 a new ~60-token question, the answers (``--tokens``) making them grow past 2k tokens over
-``--turns`` turns; the sessions'
-turns of one round are submitted together. Greedy with ``ignore_eos``: both runs must give
-every turn the same text.
+``--turns`` turns; the sessions' turns of one round are submitted together. Greedy with
+``ignore_eos``: with ``--weights fp32`` both runs give every turn the same text; with the
+weights as stored (the default, what ``serve`` loads) the decode-row kernels' int8 step
+rounds a prompt computed in other chunks a little differently, so a long answer may part
+from the other run's, and the run prints where.
 
 Reports, on turns 2+: % of prompt tokens reused, TTFT (submit to first token) median with
 and without reuse, and the checkpoint bytes held at the end (and at most).
 
     .venv/bin/python benchmarks/gemma_reuse.py                 # 8 sessions x 4 turns
     .venv/bin/python benchmarks/gemma_reuse.py --sessions 2    # a shorter trace
+    .venv/bin/python benchmarks/gemma_reuse.py --weights fp32 --name gemma_reuse_fp32
 
-Writes benchmarks/results/gemma_reuse.json. Goal: >= 95 % of prompt tokens reused on turns
+Writes benchmarks/results/NAME.json (``--name``, default gemma_reuse). Goal: >= 95 % of prompt tokens reused on turns
 2+ (the engine before checkpoints reused none once the window had moved).
 """
 
@@ -86,13 +89,22 @@ def run_trace(engine: Engine, tokenizer: Any, sessions: int, turns: int, tokens:
             "metrics": engine.metrics()}  # fmt: skip
 
 
+def first_difference(a: str, b: str) -> int:
+    """Index of the first character where ``a`` and ``b`` differ."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=200, help="tokens generated a turn")
+    parser.add_argument("--weights", default="native", help="native | fp32 | bf16 (native)")
+    parser.add_argument("--name", default="gemma_reuse", help="result name (gemma_reuse)")
     args = parser.parse_args(argv)
-    model, tokenizer = load_model("gemma3")
+    model, tokenizer = load_model("gemma3", weights=args.weights)
     out: dict[str, dict] = {}
     for mode, reuse in (("reuse", True), ("no_reuse", False)):
         config = EngineConfig(
@@ -102,6 +114,13 @@ def main(argv: list[str] | None = None) -> None:
         out[mode] = run_trace(engine, tokenizer, args.sessions, args.turns, args.tokens)
         engine.close()
     same = out["reuse"]["texts"] == out["no_reuse"]["texts"]
+    differ = [
+        {"turn": r["turn"], "session": r["session"], "first_char": first_difference(a, b)}
+        for r, a, b in zip(
+            out["reuse"]["rows"], out["reuse"]["texts"], out["no_reuse"]["texts"], strict=True
+        )
+        if a != b
+    ]
     summary = []
     for mode, res in out.items():
         later = [r for r in res["rows"] if r["turn"] > 1]
@@ -119,11 +138,14 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(table(summary, list(summary[0])))
     print(f"same text with and without reuse: {same}")
+    for d in differ:  # a session's later turns carry the differing answer in their prompt
+        print(f"  turn {d['turn']} session {d['session']}: texts part at char {d['first_char']}")
     write_json(
-        "gemma_reuse",
+        args.name,
         {
             "args": vars(args),
             "same_text": same,
+            "differing_turns": differ,
             "summary": summary,
             "rows": {m: r["rows"] for m, r in out.items()},
         },  # fmt: skip
