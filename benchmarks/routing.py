@@ -1,7 +1,7 @@
 """What a cache-aware router buys over round-robin, with and without the shared block store.
 
 Two `kvcache serve` replicas (1 thread each) behind sglang-router, all on 127.0.0.1
-(``kvcache.deploy``), one fresh deployment per policy:
+(``kvcache.deploy``), one fresh deployment per policy and pool:
 
     round_robin         requests alternate replicas; each reuses only its own pool
     cache_aware         sglang-router's cache_aware policy (a prefix tree of what it sent where)
@@ -9,22 +9,27 @@ Two `kvcache serve` replicas (1 thread each) behind sglang-router, all on 127.0.
 
 The trace: 16 sessions x 4 turns over 4 shared system prompts of ~1k tokens, 4 clients at a
 time; each turn sends the conversation so far (system prompt, earlier questions and
-answers) plus a new question, streamed, greedy, ``ignore_eos``. Per policy: token hit rate
-(prompt tokens served from a prefix cache or the store / prompt tokens, OpenAI's
-``cached_tokens``), TTFT p50 / p90 (to the first chunk with text), and the answers, which
-must be the same under every policy.
+answers) plus a new question, streamed, greedy, ``ignore_eos``. It runs on two pools a replica:
+
+    tight   cells for 3,072 tokens: less than the 4 prompts' working set, so where a request
+            lands decides what stays cached (the regime a router is bought for)
+    ample   cells for 8,192 tokens: every replica keeps all 4 prompts whatever the policy
+
+Per policy and pool: token hit rate (prompt tokens served from a prefix cache or the store /
+prompt tokens, OpenAI's ``cached_tokens``), TTFT p50 / p90 (to the first chunk with text),
+and the answers, which must be the same under every policy and pool.
 
 A timing probe (the prefix-cache side channel of CVE-2025-46570): a victim tenant sends
 prompts; an attacker sends 64-token guesses at them, half the victim's true prefix, half
-random, and classifies by its time to first token. Attacker ROC AUC without salts and with
-per-tenant ``cache_salt``.
+random, and classifies by its time to first token. Attacker ROC AUC (95 % bootstrap interval)
+without salts and with per-tenant ``cache_salt``.
 
-    .venv/bin/python benchmarks/routing.py            # the full run (~10 min here)
+    .venv/bin/python benchmarks/routing.py            # the full run (~12 min here)
     .venv/bin/python benchmarks/routing.py --quick    # 4 sessions x 2 turns, short prompts
 
-Writes benchmarks/results/routing.json and routing.png (TTFT per policy; probe TTFTs).
-Goals: cache_aware token hit rate >= 85 %; its TTFT p50 >= 2x lower than round_robin's;
-attacker AUC >= 0.9 without salts and <= 0.6 with per-tenant salts.
+Writes benchmarks/results/routing.json and routing.png (TTFT per policy and pool; probe
+TTFTs). Goals: cache_aware token hit rate >= 85 %; its TTFT p50 >= 2x lower than
+round_robin's on the tight pool; attacker AUC >= 0.9 without salts and <= 0.6 with salts.
 """
 
 from __future__ import annotations
@@ -89,6 +94,13 @@ POLICIES = {  # name -> (router policy, shared Redis store)
     "cache_aware": ("cache_aware", False),
     "round_robin+redis": ("round_robin", True),
 }
+POOLS = {  # name -> a replica's pool (serve arguments)
+    "tight": ["--capacity", "1536", "--pool-sequences", "2"],
+    "ample": ["--capacity", "2048"],
+}
+# fp32 weights: the int8 activations of the stored weights follow prefill chunking, which
+# follows where reuse stops, so native weights could part answers between policies.
+WEIGHTS = ["--weights", "fp32"]
 
 
 @dataclass(frozen=True)
@@ -164,7 +176,7 @@ def run_session(url: str, s: int, trace: Trace) -> list[dict[str, Any]]:
     return turns
 
 
-def deployment(policy: str, redis: bool, logs: Path) -> Deployment:
+def deployment(policy: str, redis: bool, logs: Path, pool: list[str]) -> Deployment:
     port = free_port()
     store = [] if redis else ["--prefix-store", "none"]
     return Deployment(
@@ -173,7 +185,7 @@ def deployment(policy: str, redis: bool, logs: Path) -> Deployment:
         policy=policy,
         redis=redis,
         threads=1,
-        serve_args=["--name", MODEL, "--capacity", "2048", "--max-sequences", "4", *store],
+        serve_args=["--name", MODEL, "--max-sequences", "4", *pool, *WEIGHTS, *store],
         logs=logs,
     )
 
@@ -182,18 +194,21 @@ def percentile(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
-def run_policy(name: str, trace: Trace, logs: Path, probe: bool) -> dict[str, Any]:
+def run_policy(name: str, pool: str, trace: Trace, logs: Path, probe: bool) -> dict[str, Any]:
     policy, redis = POLICIES[name]
-    with deployment(policy, redis, logs / name) as d:
+    with deployment(policy, redis, logs / f"{pool}-{name}", POOLS[pool]) as d:
         start = time.perf_counter()
-        with ThreadPoolExecutor(trace.clients) as pool:
-            sessions = list(pool.map(lambda s: run_session(d.url, s, trace), range(trace.sessions)))
+        with ThreadPoolExecutor(trace.clients) as clients:
+            sessions = list(
+                clients.map(lambda s: run_session(d.url, s, trace), range(trace.sessions))
+            )
         seconds = time.perf_counter() - start
         probes = timing_probe(d.replica_urls[0], trials=128) if probe else None
     turns = [t for s in sessions for t in s]
     ttft = [t["ttft_s"] for t in turns]
     prompt, cached = sum(t["prompt_tokens"] for t in turns), sum(t["cached_tokens"] for t in turns)
     return {
+        "pool": pool,
         "policy": name,
         "requests": len(turns),
         "token_hit_rate": cached / prompt,
@@ -265,14 +280,16 @@ def timing_probe(url: str, trials: int) -> dict[str, Any]:
     return out
 
 
-def draw(results: list[dict[str, Any]]) -> Any:
+def draw(results: list[dict[str, Any]], pools: list[str]) -> Any:
     def paint(fig: Any, axes: Any) -> None:
-        ax, probe_ax = axes
-        ax.boxplot([r["ttft_s"] for r in results], showfliers=True)
-        ax.set_xticks(range(1, len(results) + 1), [r["policy"] for r in results])
-        ax.set_yscale("log")
-        ax.set_ylabel("TTFT (s)")
-        ax.set_title("2 replicas behind sglang-router: TTFT per policy")
+        *pool_axes, probe_ax = axes
+        for ax, pool in zip(pool_axes, pools, strict=True):
+            runs = [r for r in results if r["pool"] == pool]
+            ax.boxplot([r["ttft_s"] for r in runs], showfliers=True)
+            ax.set_xticks(range(1, len(runs) + 1), [r["policy"] for r in runs], fontsize=8)
+            ax.set_yscale("log")
+            ax.set_ylabel("TTFT (s)")
+            ax.set_title(f"2 replicas behind sglang-router, {pool} pool", fontsize=10)
         probe = next((r["probe"] for r in results if r["probe"]), None)
         if probe:
             data, labels = [], []
@@ -282,15 +299,32 @@ def draw(results: list[dict[str, Any]]) -> Any:
             probe_ax.boxplot(data)
             probe_ax.set_xticks(range(1, len(data) + 1), labels, fontsize=7)
             probe_ax.set_ylabel("attacker's TTFT (s)")
-            probe_ax.set_title("timing probe: 64-token guesses")
+            probe_ax.set_title("timing probe: 64-token guesses", fontsize=10)
 
     return paint
 
 
+def pool_goals(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pool's goals: cache_aware's hit rate and its TTFT p50 against round_robin's."""
+    by = {r["policy"]: r for r in runs}
+    goals: dict[str, Any] = {}
+    if "cache_aware" in by:
+        goals["cache_aware_hit_rate_ge_85pct"] = by["cache_aware"]["token_hit_rate"] >= 0.85
+    if "cache_aware" in by and "round_robin" in by:
+        ratio = by["round_robin"]["ttft_p50_s"] / by["cache_aware"]["ttft_p50_s"]
+        goals["cache_aware_ttft_p50_vs_round_robin"] = ratio
+        goals["cache_aware_ttft_p50_2x_lower"] = ratio >= 2
+    return goals
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="4 sessions x 2 turns, short")
     parser.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--pools", nargs="*", default=list(POOLS), choices=list(POOLS))
+    parser.add_argument("--no-probe", action="store_true", help="skip the timing probe")
     parser.add_argument("--out", default="routing", help="result name (routing)")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/kvcache-routing-logs"))
     args = parser.parse_args(argv)
@@ -299,48 +333,40 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick
         else Trace(sessions=16, turns=4, system_words=760, max_tokens=24, clients=4)
     )
+    probe_run = (args.pools[-1], "cache_aware")  # once: the probe does not depend on the trace
     results = [
-        run_policy(name, trace, args.logs, probe=name == "cache_aware") for name in args.policies
+        run_policy(name, pool, trace, args.logs, not args.no_probe and (pool, name) == probe_run)
+        for pool in args.pools
+        for name in args.policies
     ]
     answers = [r["answers"] for r in results]
-    same = all(a == answers[0] for a in answers)
-    by = {r["policy"]: r for r in results}
-    goals: dict[str, Any] = {"same_answers_under_every_policy": same}
-    if "cache_aware" in by:
-        goals["cache_aware_hit_rate_ge_85pct"] = by["cache_aware"]["token_hit_rate"] >= 0.85
-        probe = by["cache_aware"]["probe"]
+    goals: dict[str, Any] = {"same_answers_everywhere": all(a == answers[0] for a in answers)}
+    for pool in args.pools:
+        goals[pool] = pool_goals([r for r in results if r["pool"] == pool])
+    probe = next((r["probe"] for r in results if r["probe"]), None)
+    if probe:
         goals["probe_auc_no_salt_ge_0.9"] = probe["no_salt"]["auc"] >= 0.9
         goals["probe_auc_salted_le_0.6"] = probe["salted"]["auc"] <= 0.6
-    if "cache_aware" in by and "round_robin" in by:
-        ratio = by["round_robin"]["ttft_p50_s"] / by["cache_aware"]["ttft_p50_s"]
-        goals["cache_aware_ttft_p50_vs_round_robin"] = ratio
-        goals["cache_aware_ttft_p50_2x_lower"] = ratio >= 2
-    rows = [
-        {
-            k: r[k]
-            for k in (
-                "policy",
-                "requests",
-                "token_hit_rate",
-                "ttft_p50_s",
-                "ttft_p90_s",
-                "trace_seconds",
-            )
-        }
-        for r in results
-    ]
+    keys = ("pool", "policy", "requests", "token_hit_rate", "ttft_p50_s", "ttft_p90_s")
+    rows = [{k: r[k] for k in (*keys, "trace_seconds")} for r in results]
     print(table(rows, list(rows[0])))
-    for r in results:
-        if r["probe"]:
-            for mode, p in r["probe"].items():
-                low, high = p["auc_95"]
-                print(f"attacker AUC {mode}: {p['auc']:.3f} (95 % {low:.3f}-{high:.3f})")
+    if probe:
+        for mode, p in probe.items():
+            low, high = p["auc_95"]
+            print(f"attacker AUC {mode}: {p['auc']:.3f} (95 % {low:.3f}-{high:.3f})")
     print(goals)
     write_json(
         args.out,
-        {"trace": trace.__dict__, "rows": rows, "goals": goals, "results": results},
+        {
+            "trace": trace.__dict__,
+            "pools": {p: POOLS[p] for p in args.pools},
+            "weights": WEIGHTS,
+            "rows": rows,
+            "goals": goals,
+            "results": results,
+        },
     )
-    plot(args.out, draw(results), ncols=2, figsize=(12.0, 4.5))
+    plot(args.out, draw(results, args.pools), ncols=len(args.pools) + 1, figsize=(16.0, 4.5))
     return 0
 
 
