@@ -12,7 +12,7 @@ Questions answered, side by side in one run on this machine (``--questions`` pic
   another, in a process of their own: aggregate audio seconds per second (goal >= 2.2x),
   transcripts equal;
 * batched: the 3-minute clip VAD-batched (``transcribe(..., batch_size=8)``: Silero VAD
-  chunks of <= 30 s, 8 decoded together) vs our sequential long-form and faster-whisper's
+  chunks of <= 28 s, 8 decoded together) vs our sequential long-form and faster-whisper's
   ``BatchedInferencePipeline`` (float32, batch 8), each run in a process of its own, taking
   turns: time ratios (goals: >= 2x our sequential, >= 1.0x faster-whisper's batched), WER
   (goal: within +0.02 of sequential) and the share of VAD speech regions each output covers;
@@ -402,10 +402,10 @@ def batched(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[st
     """One long clip: ours VAD-batched vs ours sequential vs faster-whisper's batched
     pipeline, each run in a fresh process, taking turns in every round."""
     from kvcache.audio.vad import VadOptions, detect_speech
+    from kvcache.transcription.transcriber import VAD_CHUNK_SAMPLES
 
-    regions = detect_speech(
-        audio, VadOptions(max_speech_duration_s=30, min_silence_duration_ms=160)
-    )
+    vad = VadOptions(max_speech_duration_s=VAD_CHUNK_SAMPLES / 16000, min_silence_duration_ms=160)
+    regions = detect_speech(audio, vad)
     runs = take_turns(
         {
             name: lambda name=name: in_process(name, {"audio": audio}, threads, 1)

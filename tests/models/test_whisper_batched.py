@@ -1,5 +1,5 @@
 """VAD-batched long-form (``transcribe(..., batch_size=N)``): a file's speech regions merged
-into chunks of <= 30 s, chunks decoded together. Chunks and the time map against
+into chunks of <= 28 s, chunks decoded together. Chunks and the time map against
 faster-whisper's ``collect_chunks`` / ``SpeechTimestampsMap``; on real speech: every VAD
 region in the output, batch 8 equal to batch 1, WER within 0.02 of sequential long-form."""
 
@@ -21,10 +21,13 @@ from kvcache.audio.vad import VadOptions, detect_speech
 from kvcache.errors import InvalidArgumentError
 from kvcache.transcription import Transcript
 from kvcache.transcription.chunks import Chunk, merge_regions
+from kvcache.transcription.transcriber import VAD_CHUNK_SAMPLES
 
 CLIPS = ["long90", "tail_long_silence"]
 RATE = 16000
-BATCHED_VAD = VadOptions(max_speech_duration_s=30.0, min_silence_duration_ms=160)
+BATCHED_VAD = VadOptions(
+    max_speech_duration_s=VAD_CHUNK_SAMPLES / RATE, min_silence_duration_ms=160
+)
 
 
 # ---- chunks and the time map (no model) ----------------------------------------------------
@@ -137,3 +140,25 @@ def test_wer_within_two_points_of_sequential_long_form(clips: Path) -> None:
     sequential = _transcribe(clips, "long90", None)
     assert wer(reference, batched.text) <= wer(reference, sequential.text) + 0.02
     assert batched.duration == sequential.duration  # whole 10 ms frames, as sequential
+
+
+def test_each_chunk_is_decoded_in_one_window(clips: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks end 2 s short of the window, so the model finishes each chunk's last sentence in
+    its first window: one encoder window a chunk (chunks filled to 30 s took 4 for 3)."""
+    from kvcache.models.whisper import Whisper
+    from kvcache.transcription import TranscribeOptions
+    from kvcache.transcription.transcriber import bundled
+
+    audio = load_audio(clips / "long90.wav")
+    windows: list[int] = []
+    encode = Whisper.forward_encoder
+
+    def spy(self: Whisper, features: Any) -> Any:
+        windows.append(int(features.shape[0]))
+        return encode(self, features)
+
+    monkeypatch.setattr(Whisper, "forward_encoder", spy)
+    chunks = merge_regions(detect_speech(audio, BATCHED_VAD), VAD_CHUNK_SAMPLES)
+    got = bundled().transcribe_chunks(audio, TranscribeOptions(), 8)
+    assert sum(windows) == len(chunks) == 3, windows
+    assert got.text == _transcribe(clips, "long90", 8).text

@@ -14,7 +14,7 @@ examples:
   kvcache transcribe talk.wav --output-format srt    writes talk.srt (txt, srt, vtt, json, all)
   kvcache transcribe talk.wav --timestamps           one "[start --> end] text" line per segment
   kvcache transcribe talk.wav --beam-size 5 --initial-prompt "Glossary: kvcache, Whisper."
-  kvcache transcribe talk.wav --batch-size 8         VAD chunks of <= 30 s decoded 8 at a time
+  kvcache transcribe talk.wav --batch-size 8         VAD chunks of <= 28 s decoded 8 at a time
 
 Decoding follows OpenAI's transcribe: windows seek to the last complete segment, each
 window is prompted with the text before it, and a window whose text is too repetitive
@@ -24,7 +24,7 @@ silent windows (no-speech prob > 0.6) are skipped. Several files share one cell 
 one batched decoder step (--max-batch at a time).
 
 --batch-size N: faster-whisper's batched pipeline instead. Silero VAD finds the speech, which
-is merged into chunks of up to 30 s; N chunks are decoded together, each without the text
+is merged into chunks of up to 28 s; N chunks are decoded together, each without the text
 before it as prompt, none skipped as silence (needs onnxruntime and faster-whisper's VAD
 model: pip install 'kvcache[vad]').
 
@@ -120,7 +120,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="VAD-batched: speech chunks of <= 30 s, N decoded together (default: off)",
+        help="VAD-batched: speech chunks of <= 28 s, N decoded together (default: off)",
     )
     add(
         "--threads",

@@ -36,6 +36,11 @@ from kvcache.validate import int_arg
 AudioInput = str | Path | np.ndarray | torch.Tensor
 
 
+# A VAD chunk leaves the last 2 s of its 30-s window empty: speech up to the window's end makes
+# the model stop before its last sentence, and decoding on from there costs a second window.
+VAD_CHUNK_SAMPLES = 28 * SAMPLE_RATE
+
+
 class Transcriber:
     """A loaded model + tokenizer + suppress lists: transcribe many inputs with one load."""
 
@@ -135,7 +140,7 @@ class Transcriber:
         progress: Callable[[int], None] | None = None,
     ) -> Transcript:
         """Transcript of one 16 kHz input from its speech (Silero VAD) merged into chunks of
-        at most 30 s, ``batch_size`` chunks decoded together (faster-whisper's batched
+        at most 28 s, ``batch_size`` chunks decoded together (faster-whisper's batched
         pipeline). No previous-text prompt across chunks, and no window skipped as silence:
         VAD found speech in each; a chunk whose decode stops before its end is decoded on from
         there, so no chunk's speech is dropped."""
@@ -143,9 +148,9 @@ class Transcriber:
 
         samples = np.asarray(audio, dtype=np.float32)
         vad = VadOptions(
-            max_speech_duration_s=CHUNK_SAMPLES / SAMPLE_RATE, min_silence_duration_ms=160
+            max_speech_duration_s=VAD_CHUNK_SAMPLES / SAMPLE_RATE, min_silence_duration_ms=160
         )
-        chunks = merge_regions(detect_speech(samples, vad), CHUNK_SAMPLES)
+        chunks = merge_regions(detect_speech(samples, vad), VAD_CHUNK_SAMPLES)
         if progress is not None:  # the silence VAD cut out counts as done
             progress(
                 (len(samples) - sum(c.samples for c in chunks)) * FRAMES_PER_SECOND // SAMPLE_RATE
@@ -248,7 +253,7 @@ def transcribe(
     ``compression_ratio_threshold``, ``log_prob_threshold``, ``no_speech_threshold``,
     ``without_timestamps``, ``seed``, ...). ``model``: a CTranslate2 Whisper directory;
     ``progress``: a bar over seconds of audio on stderr. ``batch_size``: VAD-batched instead
-    (speech found by Silero VAD, merged into chunks of up to 30 s, ``batch_size`` chunks
+    (speech found by Silero VAD, merged into chunks of up to 28 s, ``batch_size`` chunks
     decoded together, no previous-text prompt: faster-whisper's ``BatchedInferencePipeline``).
     """
     opts = _options(beam_size, temperature, initial_prompt, condition_on_previous_text, options)
