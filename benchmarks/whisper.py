@@ -401,11 +401,10 @@ def covered(regions: list[tuple[int, int]], spans: Spans) -> float:
 def batched(audio: np.ndarray, text: str, threads: int, repeats: int) -> dict[str, Any]:
     """One long clip: ours VAD-batched vs ours sequential vs faster-whisper's batched
     pipeline, each run in a fresh process, taking turns in every round."""
-    from kvcache.audio.vad import VadOptions, detect_speech
-    from kvcache.transcription.transcriber import VAD_CHUNK_SAMPLES
+    from kvcache.audio.vad import detect_speech
+    from kvcache.transcription.transcriber import BATCHED_VAD
 
-    vad = VadOptions(max_speech_duration_s=VAD_CHUNK_SAMPLES / 16000, min_silence_duration_ms=160)
-    regions = detect_speech(audio, vad)
+    regions = detect_speech(audio, BATCHED_VAD)
     runs = take_turns(
         {
             name: lambda name=name: in_process(name, {"audio": audio}, threads, 1)

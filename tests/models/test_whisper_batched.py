@@ -17,17 +17,14 @@ from whisper_scoring import make_clips, sentence_recall, wer
 
 import kvcache
 from kvcache.audio.io import load_audio
-from kvcache.audio.vad import VadOptions, detect_speech
+from kvcache.audio.vad import detect_speech
 from kvcache.errors import InvalidArgumentError
 from kvcache.transcription import Transcript
 from kvcache.transcription.chunks import Chunk, merge_regions
-from kvcache.transcription.transcriber import VAD_CHUNK_SAMPLES
+from kvcache.transcription.transcriber import BATCHED_VAD, VAD_CHUNK_SAMPLES
 
 CLIPS = ["long90", "tail_long_silence"]
 RATE = 16000
-BATCHED_VAD = VadOptions(
-    max_speech_duration_s=VAD_CHUNK_SAMPLES / RATE, min_silence_duration_ms=160
-)
 
 
 # ---- chunks and the time map (no model) ----------------------------------------------------

@@ -21,6 +21,7 @@ from kvcache.audio.mel import (
     SAMPLE_RATE,
     log_mel_spectrogram,
 )
+from kvcache.audio.vad import VadOptions
 from kvcache.errors import InvalidArgumentError
 from kvcache.models.whisper import Whisper
 from kvcache.models.whisper_decode import WhisperKVCache
@@ -39,6 +40,9 @@ AudioInput = str | Path | np.ndarray | torch.Tensor
 # A VAD chunk leaves the last 2 s of its 30-s window empty: speech up to the window's end makes
 # the model stop before its last sentence, and decoding on from there costs a second window.
 VAD_CHUNK_SAMPLES = 28 * SAMPLE_RATE
+BATCHED_VAD = VadOptions(
+    max_speech_duration_s=VAD_CHUNK_SAMPLES / SAMPLE_RATE, min_silence_duration_ms=160
+)
 
 
 class Transcriber:
@@ -144,13 +148,10 @@ class Transcriber:
         pipeline). No previous-text prompt across chunks, and no window skipped as silence:
         VAD found speech in each; a chunk whose decode stops before its end is decoded on from
         there, so no chunk's speech is dropped."""
-        from kvcache.audio.vad import VadOptions, detect_speech
+        from kvcache.audio.vad import detect_speech
 
         samples = np.asarray(audio, dtype=np.float32)
-        vad = VadOptions(
-            max_speech_duration_s=VAD_CHUNK_SAMPLES / SAMPLE_RATE, min_silence_duration_ms=160
-        )
-        chunks = merge_regions(detect_speech(samples, vad), VAD_CHUNK_SAMPLES)
+        chunks = merge_regions(detect_speech(samples, BATCHED_VAD), VAD_CHUNK_SAMPLES)
         if progress is not None:  # the silence VAD cut out counts as done
             progress(
                 (len(samples) - sum(c.samples for c in chunks)) * FRAMES_PER_SECOND // SAMPLE_RATE
